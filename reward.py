@@ -1,0 +1,269 @@
+"""OCR reward for text rendering: target extraction, the Levenshtein score, and scorers.
+
+A scorer maps images and their target strings to scores in [0, 1] and the transcriptions it read:
+    scorer = make_scorer("paddle")                   # or "qwen-vl", "vllm", "brightness", "compressibility"
+    scores, texts = scorer(images, targets)          # images: (B, H, W, 3) uint8 or PIL list -> (B,) float32, B strings
+This module holds no algorithm logic (no advantages or losses): it is part of the "environment".
+Heavy libraries (torch, transformers, rapidocr, requests) are imported only when a scorer is built.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import Levenshtein
+import numpy as np
+from PIL import Image
+
+INSTRUCTION = "Please output only the text content from the image without any additional descriptions or formatting."
+SCORERS = ("qwen-vl", "vllm", "paddle", "brightness", "compressibility")
+# What Qwen2.5-VL's chat template renders for one user turn (image, then text) with its default system prompt,
+# i.e. the prompt `vllm serve` builds server-side for the same request, so both scorers see the same input.
+QWEN_PROMPT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    "<|vision_start|>{image_pads}<|vision_end|>{instruction}<|im_end|>\n<|im_start|>assistant\n"
+)
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def extract_target(prompt: str) -> str | None:
+    """The text inside the first pair of double quotes of `prompt`, or None when there is none."""
+    match = _QUOTED.search(prompt)
+    return None if match is None else match.group(1)
+
+
+def ocr_score(text: str, target: str) -> float:
+    """1 - d/len(target) after removing whitespace and lower-casing both strings.
+
+    d is 0 when the target is a substring of the text, else the Levenshtein distance capped at len(target).
+    An empty target scores 1 only for an empty text.
+    """
+    text = "".join(text.split()).lower()
+    target = "".join(target.split()).lower()
+    if not target:
+        return float(not text)
+    if target in text:
+        return 1.0
+    return 1.0 - min(Levenshtein.distance(text, target), len(target)) / len(target)
+
+
+class Scorer(Protocol):
+    def __call__(self, images: np.ndarray | list[Image.Image], targets: list[str]) -> tuple[np.ndarray, list[str]]:
+        """Scores (B,) float32 in [0, 1] and the B transcriptions for B images and their B target strings."""
+        ...
+
+
+class ServerError(RuntimeError):
+    """A vLLM server stayed unreachable, kept timing out or failing, or rejected the request."""
+
+
+def _to_pil(images: np.ndarray | list[Image.Image]) -> list[Image.Image]:
+    if isinstance(images, np.ndarray):
+        return [Image.fromarray(image) for image in images]
+    return [image.convert("RGB") for image in images]
+
+
+def _score_texts(texts: list[str], targets: list[str]) -> tuple[np.ndarray, list[str]]:
+    if len(texts) != len(targets):
+        raise ValueError(f"got {len(texts)} images but {len(targets)} targets")
+    return np.array([ocr_score(t, g) for t, g in zip(texts, targets)], dtype=np.float32), texts
+
+
+class PaddleScorer:
+    """PP-OCR (det + cls + rec ONNX models shipped in the rapidocr wheel) on CPU: Flow-GRPO's original metric."""
+
+    def __init__(self):
+        from rapidocr_onnxruntime import RapidOCR
+
+        self.engine = RapidOCR()
+        self.lock = threading.Lock()  # one engine, shared by threads (the test OCR server calls it concurrently)
+
+    def read(self, image: Image.Image) -> str:
+        """The recognised text boxes joined in reading order: lines top to bottom, boxes left to right."""
+        with self.lock:
+            result, _ = self.engine(image)
+        boxes = []  # (top, bottom, left, text); a box is four (x, y) corners
+        for corners, text, _ in result or []:
+            xs, ys = zip(*corners)
+            boxes.append((min(ys), max(ys), min(xs), text))
+        lines: list[list[tuple]] = []
+        for box in sorted(boxes):  # a box whose vertical centre lies inside the current line's first box joins that line
+            if lines and lines[-1][0][0] <= (box[0] + box[1]) / 2 <= lines[-1][0][1]:
+                lines[-1].append(box)
+            else:
+                lines.append([box])
+        return " ".join(box[3] for line in lines for box in sorted(line, key=lambda x: x[2]))
+
+    def __call__(self, images, targets):
+        return _score_texts([self.read(image) for image in _to_pil(images)], targets)
+
+
+class QwenVLScorer:
+    """Qwen2.5-VL-Instruct through transformers: batched greedy transcription, scored against the targets.
+
+    The tokenizer and image processor are loaded on their own rather than through AutoProcessor: transformers 5's
+    Qwen2.5-VL processor (and AutoImageProcessor) insist on torchvision, whose registry wheel is a CUDA build that
+    does not load against CI's CPU torch. So the image placeholders are expanded here, as the processor would, and
+    the PIL image processor is used on every machine (the same preprocessing on CPU and GPU).
+    """
+
+    def __init__(self, model_path: str, device: str, batch_size: int, max_new_tokens: int):
+        import torch
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+        self.device, self.batch_size, self.max_new_tokens = torch.device(device), batch_size, max_new_tokens
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")  # left: generate appends
+            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype)
+        except (OSError, ValueError) as e:  # hub errors are OSErrors; a malformed repo id is a ValueError
+            raise RuntimeError(
+                f"could not load the Qwen2.5-VL reward model from {model_path!r}: {e}\n"
+                "If it is a gated or private hub model, log in with `hf auth login`; offline, download it and "
+                "pass its local directory as the model path."
+            ) from e
+        self.model = model.to(self.device).eval()
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def transcribe(self, images: list[Image.Image]) -> list[str]:
+        import torch
+
+        vision = self.image_processor(images=images, return_tensors="pt")
+        n_pads = vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2  # one pad per merged patch
+        prompts = [QWEN_PROMPT.format(image_pads="<|image_pad|>" * n, instruction=INSTRUCTION) for n in n_pads.tolist()]
+        inputs = self.tokenizer(prompts, padding=True, return_tensors="pt")
+        # 1 marks image tokens: without it the model silently falls back to 1-D positions for the image (no M-RoPE).
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.image_token_id).int()
+        inputs = {k: v.to(self.device) for k, v in {**inputs, **vision}.items()}
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs, do_sample=False, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id
+            )
+        return self.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    def __call__(self, images, targets):
+        images = _to_pil(images)
+        chunks = [images[i : i + self.batch_size] for i in range(0, len(images), self.batch_size)]
+        return _score_texts([text.strip() for chunk in chunks for text in self.transcribe(chunk)], targets)
+
+
+class VLLMScorer:
+    """Client for `vllm serve <model>`: one OpenAI chat-completions request per image, round-robin over servers."""
+
+    def __init__(self, urls: list[str], model: str, concurrency: int, max_new_tokens: int, timeout: float, max_retries: int):
+        import requests
+
+        if not urls:
+            raise ValueError("the vllm scorer needs at least one server URL")
+        self.requests, self.urls, self.model = requests, [u.rstrip("/") for u in urls], model
+        self.concurrency, self.max_new_tokens = concurrency, max_new_tokens
+        self.timeout, self.max_retries = timeout, max_retries
+        self.backoff = 0.25  # seconds before the first retry, doubled for each further one
+        self.counter = itertools.count()  # next() on it is atomic under the GIL, so threads share it safely
+
+    def transcribe(self, image: Image.Image) -> str:
+        url = self.urls[next(self.counter) % len(self.urls)]
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")  # lossless, so the server reads exactly our pixels
+        data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        content = [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": INSTRUCTION}]
+        payload = {"model": self.model, "messages": [{"role": "user", "content": content}],
+                   "temperature": 0.0, "max_tokens": self.max_new_tokens}
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                response = self.requests.post(f"{url}/v1/chat/completions", json=payload, timeout=self.timeout)
+            except (self.requests.ConnectionError, self.requests.Timeout) as e:
+                cause = f"{type(e).__name__}: {e}"
+                continue
+            if response.status_code == 200:
+                return (response.json()["choices"][0]["message"]["content"] or "").strip()
+            cause = f"HTTP {response.status_code}: {response.text[:200]}"
+            if response.status_code < 500:  # a 4xx (wrong model name, bad payload) will not get better by retrying
+                raise ServerError(f"vLLM server {url} rejected the request: {cause}")
+            # a 5xx: an overloaded or restarting server may recover, so retry
+        raise ServerError(f"vLLM server {url} failed {self.max_retries + 1} attempts (timeout {self.timeout}s); last: {cause}")
+
+    def __call__(self, images, targets):
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return _score_texts(list(pool.map(self.transcribe, _to_pil(images))), targets)
+
+
+def brightness(images, targets=None) -> tuple[np.ndarray, list[str]]:
+    """Mean pixel value / 255; targets are ignored (a reward for learning checks on tiny models)."""
+    scores = [np.asarray(image, dtype=np.float32).mean() / 255.0 for image in _to_pil(images)]
+    return np.array(scores, dtype=np.float32), [""] * len(scores)
+
+
+def compressibility(images, targets=None) -> tuple[np.ndarray, list[str]]:
+    """1 - (JPEG bytes at quality 95) / (raw RGB bytes), clipped to [0, 1]: higher = more compressible."""
+    scores = []
+    for image in _to_pil(images):
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=95)
+        scores.append(np.clip(1.0 - buffer.tell() / (image.width * image.height * 3), 0.0, 1.0))
+    return np.array(scores, dtype=np.float32), [""] * len(scores)
+
+
+def make_scorer(name: str, *, device: str = "cpu", model_path: str = "Qwen/Qwen2.5-VL-3B-Instruct",
+                urls: list[str] | None = None, batch_size: int = 32, max_new_tokens: int = 32, timeout: float = 60.0,
+                max_retries: int = 3) -> Scorer:
+    """Build the scorer `name` (one of SCORERS); models are loaded here, once.
+
+    batch_size is the generation batch for qwen-vl and the number of concurrent requests for vllm;
+    urls (e.g. ["http://localhost:8000"]), timeout (seconds per request) and max_retries are for vllm only.
+    """
+    if name == "paddle":
+        return PaddleScorer()
+    if name == "qwen-vl":
+        return QwenVLScorer(model_path, device, batch_size, max_new_tokens)
+    if name == "vllm":
+        return VLLMScorer(urls or [], model_path, batch_size, max_new_tokens, timeout, max_retries)
+    if name in ("brightness", "compressibility"):
+        return brightness if name == "brightness" else compressibility
+    raise ValueError(f"unknown scorer {name!r}; choose one of {SCORERS}")
+
+
+def build_tiny_qwen_vl(out_dir: str | Path) -> Path:
+    """Save a random tiny Qwen2.5-VL (same classes as the real one) with a byte-level tokenizer to out_dir.
+
+    make_scorer("qwen-vl", model_path=out_dir) then loads it through the same from_pretrained calls as the real model.
+    The vocabulary is the 256 byte symbols (a byte-level BPE without merges) plus Qwen's special tokens; images are
+    capped at 112x112 pixels (16 image tokens) so that CPU tests stay fast.
+    """
+    import torch
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessorPil
+
+    out_dir = Path(out_dir)
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])  # adds <|endoftext|> (eos, pad)
+    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=ids("<|endoftext|>"),
+                eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+    # mrope_section splits head_dim / 2 = 8 rotary frequencies over (time, height, width).
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                              video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                              vision_end_token_id=ids("<|vision_end|>"))
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = ids("<|im_end|>"), ids("<|endoftext|>")
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}).save_pretrained(out_dir)
+    return out_dir

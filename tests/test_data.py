@@ -1,0 +1,121 @@
+"""data.py: conversion, bad input, loading, and the prompt-group sampler."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data import DataError, GroupSampler, convert, load_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = Path(__file__).parent / "data" / "ocr"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_convert_sample_in_flow_grpo_format(tmp_path):
+    counts = convert(SAMPLE, tmp_path)
+    assert counts == {"train": (40, 0), "test": (8, 0)}
+    records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert records[0] == {
+        "prompt": 'A vintage wooden sign hanging above a bakery door that reads "Fresh Bread Daily"',
+        "target": "Fresh Bread Daily",
+    }
+    assert load_prompts(tmp_path / "train.jsonl")[0] == load_prompts(SAMPLE / "train.txt")[0]
+
+
+def test_cli_converts_and_reports(tmp_path):
+    out = subprocess.run([sys.executable, "data.py", "--input-dir", str(SAMPLE), "--output-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "train: 40 prompts written" in out.stdout and (tmp_path / "test.jsonl").is_file()
+
+
+def test_missing_target_names_file_and_line(tmp_path):
+    write(tmp_path / "train.txt", 'A sign "One"\n\nA sign with nothing quoted\n')
+    write(tmp_path / "test.txt", 'A sign "Two"\n')
+    with pytest.raises(DataError, match=r"train\.txt:3: no quoted target"):
+        convert(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out" / "train.jsonl").exists()
+    assert convert(tmp_path, tmp_path / "out", skip_untargeted=True)["train"] == (1, 1)
+    cli = subprocess.run([sys.executable, "data.py", "--input-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert cli.returncode == 1 and "train.txt:3" in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_missing_file_is_named(tmp_path):
+    write(tmp_path / "train.txt", 'A sign "One"\n')
+    with pytest.raises(DataError, match=r"test\.txt: prompt file not found"):
+        convert(tmp_path, tmp_path / "out")
+
+
+def test_bad_jsonl_line_is_named(tmp_path):
+    path = write(tmp_path / "p.jsonl", '{"prompt": "a \\"b\\""}\n{"text": 1}\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2"):
+        load_prompts(path)
+
+
+def test_empty_lines_ignored_and_unicode_round_trip(tmp_path):
+    write(tmp_path / "train.txt", '\n  \nUn café qui dit "Crème Brûlée"\n\nA lantern reading "北京欢迎你"\n')
+    write(tmp_path / "test.txt", 'A sign "Ünïcödé ✓"\n')
+    convert(tmp_path, tmp_path / "out")
+    records, skipped = load_prompts(tmp_path / "out" / "train.jsonl")
+    assert skipped == 0 and [r["target"] for r in records] == ["Crème Brûlée", "北京欢迎你"]
+    assert load_prompts(tmp_path / "out" / "test.jsonl")[0][0]["target"] == "Ünïcödé ✓"
+
+
+def draw(sampler, iterations):
+    return [sampler.next_indices() for _ in range(iterations)]
+
+
+def test_sampler_is_deterministic_and_groups_are_contiguous():
+    a, b = GroupSampler(10, 3, 4, seed=7), GroupSampler(10, 3, 4, seed=7)
+    batches = draw(a, 5)
+    assert batches == draw(b, 5) and batches != draw(GroupSampler(10, 3, 4, seed=8), 5)
+    for batch in batches:
+        groups = [batch[i : i + 4] for i in range(0, 12, 4)]
+        assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == 3
+
+
+def test_sampler_without_replacement_per_epoch():
+    sampler = GroupSampler(9, 3, 2, seed=0)
+    first_epoch = [i for batch in draw(sampler, 3) for i in batch[::2]]
+    assert sorted(first_epoch) == list(range(9))
+    second_epoch = [i for batch in draw(sampler, 3) for i in batch[::2]]
+    assert sorted(second_epoch) == list(range(9)) and second_epoch != first_epoch
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_whole_groups_per_rank(world_size):
+    ranks = [GroupSampler(20, 2, 3, seed=1, rank=r, world_size=world_size) for r in range(world_size)]
+    for _ in range(6):
+        per_rank = [s.next_indices() for s in ranks]
+        prompts = [p for batch in per_rank for p in batch[::3]]
+        assert len(set(prompts)) == 2 * world_size  # no prompt shared between ranks within an iteration
+        for batch in per_rank:
+            assert len(batch) == 6 and all(len(set(batch[i : i + 3])) == 1 for i in range(0, 6, 3))
+
+
+def test_single_rank_equals_union_of_two_ranks():
+    single = GroupSampler(20, 4, 2, seed=3)
+    pair = [GroupSampler(20, 2, 2, seed=3, rank=r, world_size=2) for r in range(2)]
+    for _ in range(7):
+        assert single.next_indices() == pair[0].next_indices() + pair[1].next_indices()
+
+
+def test_sampler_state_round_trip():
+    sampler = GroupSampler(11, 2, 3, seed=5)
+    draw(sampler, 4)
+    restored = GroupSampler(11, 2, 3, seed=5)
+    restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+    assert draw(restored, 6) == draw(sampler, 6)
+
+
+def test_sampler_rejects_impossible_sizes():
+    with pytest.raises(DataError, match="only 3 prompts"):
+        GroupSampler(3, 2, 6, seed=0, world_size=2)
