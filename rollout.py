@@ -1,0 +1,351 @@
+"""SD3 rollout environment: model loading, text encoding, LoRA adapters, a batched flow-matching sampler, VAE decode.
+
+Like `cleanrl_utils`, this module is the "environment" the trainers import: no loss, advantage, EMA schedule or
+optimizer lives here. One transformer carries three LoRA adapters (trainable `policy`, EMA copies `old` and
+`sampling`); the reference model is the same transformer with its adapters disabled:
+
+    pipe = load_pipeline("stabilityai/stable-diffusion-3.5-medium", "cuda", torch.bfloat16)  # or TINY, RANDOM_MEDIUM
+    add_lora_adapters(pipe.transformer)
+    embeds, pooled = encode_prompts(pipe, prompts)          # (B, 333, 4096), (B, 2048)
+    with use_adapter(pipe.transformer, "sampling"):
+        out = sample(pipe, embeds, pooled, seeds)          # {"latents", "images", "timesteps", "sigmas"}
+"""
+
+import math
+import os
+import re
+import shutil
+import string
+import tempfile
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from tokenizers import pre_tokenizers
+from tqdm.auto import tqdm
+from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
+                          T5Tokenizer)
+
+TINY = "tiny"
+RANDOM_MEDIUM = "random-sd3.5-medium"
+TINY_DIR_NAME = "tiny-sd3-v2"  # bump when the tiny model changes, so stale caches are not reused
+# the joint-attention projections of every block; "attn." does not match SD3.5-M's second attention, "attn2."
+LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+# The configs of stabilityai/stable-diffusion-3.5-medium. vocab_size is the size of the locally built tokenizer
+# (None: just its characters); each text encoder's vocabulary matches its tokenizer.
+MEDIUM_CONFIG = dict(
+    transformer=dict(sample_size=128, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+                     joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+                     pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+    vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32),
+    clip_l=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                projection_dim=768, hidden_act="quick_gelu", vocab_size=49408),
+    clip_g=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                projection_dim=1280, hidden_act="gelu", vocab_size=49408),
+    t5=dict(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64, vocab_size=32128),
+)
+# The same structure (dual attention, qk-norm, 16 latent channels, an 8x VAE, 77 + 256 text tokens), ~170k weights.
+TINY_CONFIG = dict(
+    transformer=dict(sample_size=8, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                     joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
+                     pos_embed_max_size=64, dual_attention_layers=(0,), qk_norm="rms_norm"),
+    vae=dict(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4),
+    clip_l=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                projection_dim=16, hidden_act="quick_gelu", vocab_size=None),
+    clip_g=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                projection_dim=16, hidden_act="gelu", vocab_size=None),
+    t5=dict(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=None),
+)
+
+
+def _clip_tokenizer(vocab_size: int | None) -> CLIPTokenizer:
+    """Byte-level BPE without merges (each character is a token), padded with unused tokens to `vocab_size`."""
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = chars + [c + "</w>" for c in chars]
+    tokens += [f"<unused{i}>" for i in range((vocab_size or 0) - len(tokens) - 2)]
+    vocab = {t: i for i, t in enumerate(tokens + ["<|startoftext|>", "<|endoftext|>"])}  # last, as in CLIP's vocab
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def _t5_tokenizer(vocab_size: int | None) -> T5Tokenizer:
+    """Unigram over single characters, padded with unused pieces to `vocab_size`."""
+    pieces = ["<pad>", "</s>", "<unk>", "▁"] + list(string.ascii_letters + string.digits + string.punctuation)
+    pieces += [f"<unused{i}>" for i in range((vocab_size or 0) - len(pieces))]
+    return T5Tokenizer(vocab=[(p, 0.0 if i < 3 else -5.0) for i, p in enumerate(pieces)], extra_ids=0)
+
+
+def _build_components(config: dict) -> dict:
+    """StableDiffusion3Pipeline's components with random weights, created on the default device and dtype."""
+    tok_l, tok_g = _clip_tokenizer(config["clip_l"]["vocab_size"]), _clip_tokenizer(config["clip_g"]["vocab_size"])
+    tok_t5 = _t5_tokenizer(config["t5"]["vocab_size"])
+
+    def clip(cfg: dict, tok: CLIPTokenizer) -> CLIPTextModelWithProjection:
+        ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        return CLIPTextModelWithProjection(CLIPTextConfig(**{**cfg, "vocab_size": len(tok)}, **ids))
+
+    t5 = T5Config(**{**config["t5"], "vocab_size": len(tok_t5)}, feed_forward_proj="gated-gelu")
+    vae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
+                        scaling_factor=1.5305, shift_factor=0.0609, **config["vae"])
+    transformer = SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16, **config["transformer"])
+    return dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                text_encoder=clip(config["clip_l"], tok_l), tokenizer=tok_l,
+                text_encoder_2=clip(config["clip_g"], tok_g), tokenizer_2=tok_g,
+                text_encoder_3=T5EncoderModel(t5), tokenizer_3=tok_t5)
+
+
+def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
+    """The tiny model's directory, built (with a fixed seed) and saved on first use."""
+    path = Path(cache_dir or Path(os.environ.get("CRD_CACHE", Path.home() / ".cache" / "crd")) / TINY_DIR_NAME)
+    if (path / "model_index.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            components = _build_components(TINY_CONFIG)
+            # Zero the decoder's residual branches (resnet conv2, attention output): a deep random decoder with a
+            # GroupNorm in every block makes image statistics such as brightness nearly independent of the latents;
+            # without those branches it maps latents smoothly to pixels, like a trained VAE, so cheap image rewards
+            # respond to the policy in CPU learning checks.
+            for name, param in components["vae"].decoder.named_parameters():
+                if ".conv2." in name or ".to_out." in name:
+                    param.data.zero_()
+            StableDiffusion3Pipeline(**components).save_pretrained(tmp)
+        tmp.rename(path)  # atomic, so a concurrent or interrupted build is never picked up half-written
+    except OSError:
+        if not (path / "model_index.json").exists():  # else another process finished first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                  cache_dir: str | Path | None = None) -> StableDiffusion3Pipeline:
+    """A frozen (eval, no grad) StableDiffusion3Pipeline: hub id, local directory, TINY or RANDOM_MEDIUM.
+
+    TINY is built locally and saved to `cache_dir` (default $CRD_CACHE/tiny-sd3-v2, CRD_CACHE=~/.cache/crd), then
+    loaded through the same `from_pretrained` as a real model. RANDOM_MEDIUM, SD3.5-M with random weights, is
+    created directly on `device` in `dtype` ("meta" counts parameters without memory) and never saved.
+    """
+    if model == RANDOM_MEDIUM:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # no float32 copy; and initialising 8B weights on the CPU takes minutes
+        try:
+            with torch.device(device):
+                pipe = StableDiffusion3Pipeline(**_build_components(MEDIUM_CONFIG))
+        finally:
+            torch.set_default_dtype(default_dtype)
+    else:
+        path = _tiny_model_dir(cache_dir) if model == TINY else model
+        try:
+            pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise RuntimeError(
+                f"could not load the SD3 model {str(path)!r} ({type(e).__name__}). For the gated "
+                "stabilityai/stable-diffusion-3.5-medium, log in with `hf auth login` and accept the SD3.5 licence on "
+                "its model page; or pass a local directory that holds a diffusers StableDiffusion3Pipeline."
+            ) from e
+        pipe.to(device)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval().requires_grad_(False)
+    return pipe
+
+
+@torch.no_grad()
+def encode_prompts(pipe, prompts: list[str], max_sequence_length: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """CLIP-L + CLIP-G + T5 embeddings (B, 77 + max_sequence_length, D) and pooled (B, P); each distinct prompt once."""
+    unique = list(dict.fromkeys(prompts))  # a batch repeats each prompt group_size times
+    embeds, _, pooled, _ = pipe.encode_prompt(unique, None, None, device=pipe.transformer.device,
+                                              do_classifier_free_guidance=False,
+                                              max_sequence_length=max_sequence_length)
+    index = torch.tensor([unique.index(p) for p in prompts], device=embeds.device)
+    return embeds[index], pooled[index]
+
+
+def negative_embeddings(pipe, max_sequence_length: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embeddings (1, 77 + max_sequence_length, D) and (1, P) of the empty prompt, encoded once per pipe and length."""
+    cache = vars(pipe).setdefault("_negative_cache", {})
+    if max_sequence_length not in cache:
+        cache[max_sequence_length] = encode_prompts(pipe, [""], max_sequence_length)
+    return cache[max_sequence_length]
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------------------------------
+
+
+def add_lora_adapters(transformer, rank: int = 32, alpha: int = 64, names=("policy", "old", "sampling"),
+                      targets=LORA_TARGETS) -> None:
+    """One gaussian-init LoRA (A random, B zero) per name, all equal to names[0]: the active and only trainable one.
+
+    LoRA tensors are float32 whatever the base dtype (fp32 master weights); everything else is frozen.
+    """
+    with warnings.catch_warnings():  # peft warns that several adapters on one model is unusual; here it is the point
+        warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+        for name in names:
+            config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
+            transformer.add_adapter(config, adapter_name=name)
+    vars(transformer).pop("_lora_layers", None)  # new layers: drop use_adapter's cached list
+    for name in names:
+        for p in lora_parameters(transformer, name):
+            p.data = p.data.float()
+    for name in names[1:]:
+        load_lora_state_dict(transformer, name, lora_state_dict(transformer, names[0]))
+    transformer.set_adapter(names[0])
+    transformer.requires_grad_(False)  # set_adapter marks the active adapter trainable; decide it explicitly
+    for p in lora_parameters(transformer, names[0]):
+        p.requires_grad_(True)
+
+
+def _named_lora_parameters(transformer, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """(key without the adapter name, parameter) of adapter `name`, in module order; keys as in peft's state dicts."""
+    pattern = re.compile(rf"\.(lora_[AB])\.{re.escape(name)}\.")
+    return [(pattern.sub(r".\1.", k), p) for k, p in transformer.named_parameters() if pattern.search(k)]
+
+
+def lora_parameters(transformer, name: str = "policy") -> list[torch.nn.Parameter]:
+    """The LoRA tensors of adapter `name`, in a fixed order (the same for every adapter)."""
+    return [p for _, p in _named_lora_parameters(transformer, name)]
+
+
+def lora_state_dict(transformer, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name` as {key: tensor}, keys free of the name; like `state_dict()`, the tensors alias the weights."""
+    return {k: p.detach() for k, p in _named_lora_parameters(transformer, name)}
+
+
+@torch.no_grad()
+def load_lora_state_dict(transformer, name: str, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` (from `lora_state_dict` of any adapter) into adapter `name`, in place."""
+    params = dict(_named_lora_parameters(transformer, name))
+    if params.keys() != state.keys():
+        raise KeyError(f"state dict does not match adapter {name!r}: {sorted(params.keys() ^ state.keys())[:3]}")
+    for k, p in params.items():
+        p.copy_(state[k])
+
+
+@contextmanager
+def use_adapter(transformer, name: str | None):
+    """Run with adapter `name` as the only active one, or with all adapters disabled (the base model) for None.
+
+    peft's set_adapter() and enable_adapters() also rewrite requires_grad, which would freeze or unfreeze the policy
+    mid-step, so this sets the two flags that LoRA layers read in forward directly and leaves requires_grad alone.
+    """
+    if name is not None and name not in getattr(transformer, "peft_config", {}):
+        raise ValueError(f"unknown adapter {name!r}")
+    if "_lora_layers" not in vars(transformer):  # collect once: walking SD3.5-M's ~4k modules takes milliseconds
+        transformer._lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+    layers = transformer._lora_layers
+    saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = name is None
+        if name is not None:
+            layer._active_adapter = [name]
+    try:
+        yield
+    finally:
+        for layer, (active, disabled) in zip(layers, saved):
+            layer._active_adapter, layer._disable_adapters = active, disabled
+
+
+@torch.no_grad()
+def ema_update_(transformer, target: str, source: str, decay: float) -> None:
+    """In place, over LoRA tensors only: target <- decay * target + (1 - decay) * source."""
+    torch._foreach_lerp_(lora_parameters(transformer, target), lora_parameters(transformer, source), 1.0 - decay)
+
+
+def export_lora(transformer, name: str, out_dir: str | Path) -> None:
+    """Adapter `name` in diffusers' LoRA format (safetensors): StableDiffusion3Pipeline.load_lora_weights(out_dir)."""
+    StableDiffusion3Pipeline.save_lora_weights(
+        out_dir, transformer_lora_layers=get_peft_model_state_dict(transformer, adapter_name=name),
+        transformer_lora_adapter_metadata=transformer.peft_config[name].to_dict(),  # rank and alpha: the LoRA scale
+    )
+
+
+# ---- sampling --------------------------------------------------------------------------------------------------------
+
+
+def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, guidance_scale: float = 1.0,
+                     negative_embeds=None, negative_pooled=None) -> torch.Tensor:
+    """Flow-matching velocity (B, C, h, w) of latents (B, C, h, w) at timesteps (scalar or (B,), 0..1000 scale).
+
+    With guidance_scale > 1, the unconditional and conditional branches run as one batch of 2B (diffusers' order)
+    and v = v_unc + s (v_cond - v_unc); negative embeddings of batch 1 are broadcast to B.
+    """
+    batch, dtype = latents.shape[0], transformer.dtype
+    t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
+    if guidance_scale > 1:
+        if negative_embeds is None or negative_pooled is None:
+            raise ValueError("guidance_scale > 1 needs negative_embeds and negative_pooled")
+        latents, t = torch.cat([latents, latents]), torch.cat([t, t])
+        prompt_embeds = torch.cat([negative_embeds.expand(batch, -1, -1), prompt_embeds])  # (2B, S, D)
+        pooled = torch.cat([negative_pooled.expand(batch, -1), pooled])  # (2B, P)
+    v = transformer(hidden_states=latents.to(dtype), timestep=t, encoder_hidden_states=prompt_embeds.to(dtype),
+                    pooled_projections=pooled.to(dtype), return_dict=False)[0]
+    if guidance_scale > 1:
+        v_unc, v_cond = v.chunk(2)
+        v = v_unc + guidance_scale * (v_cond - v_unc)
+    return v
+
+
+def initial_latents(seeds: list[int], shape: tuple[int, int, int], device, dtype) -> torch.Tensor:
+    """Noise (B, C, h, w); image i's from its own CPU generator seeded with seeds[i], so it reproduces alone."""
+    noise = [torch.randn(shape, generator=torch.Generator("cpu").manual_seed(s)) for s in seeds]
+    return torch.stack(noise).to(device=device, dtype=dtype)
+
+
+@torch.no_grad()
+def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
+    """Latents (B, C, h, w) -> uint8 images (B, H, W, 3), undoing the VAE's scaling and shift like the pipeline."""
+    vae = pipe.vae
+    latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+    images = pipe.image_processor.postprocess(vae.decode(latents, return_dict=False)[0], output_type="np")
+    return (images * 255).round().astype(np.uint8)
+
+
+@torch.no_grad()
+def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, guidance_scale: float = 1.0,
+           height: int = 512, width: int = 512, max_batch_size: int = 32, negative_embeds=None, negative_pooled=None,
+           decode: bool = True, progress: bool = False) -> dict:
+    """Deterministic Euler ODE on the scheduler's (shifted) sigmas, one image per seed, max_batch_size at a time.
+
+    Runs whichever adapter is active (wrap it in `use_adapter`). CFG when guidance_scale > 1, against the empty
+    prompt unless negative embeddings are given.
+    """
+    transformer, device = pipe.transformer, pipe.transformer.device
+    if len(seeds) != prompt_embeds.shape[0]:
+        raise ValueError(f"{len(seeds)} seeds for {prompt_embeds.shape[0]} prompt embeddings")
+    if guidance_scale > 1 and negative_embeds is None:
+        negative_embeds, negative_pooled = negative_embeddings(pipe, prompt_embeds.shape[1] - pipe.tokenizer_max_length)
+    pipe.scheduler.set_timesteps(num_steps)  # so the scheduler config's shift applies
+    timesteps, sigmas = pipe.scheduler.timesteps.float(), pipe.scheduler.sigmas.float()  # (T,), (T + 1,)
+    shape = (transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    latents = initial_latents(seeds, shape, device, torch.float32)  # (B, C, h, w)
+    images = []
+    bar = tqdm(total=math.ceil(len(seeds) / max_batch_size) * num_steps, desc="sampling", disable=not progress)
+    for start in range(0, len(seeds), max_batch_size):
+        chunk = slice(start, start + max_batch_size)
+        x = latents[chunk]
+        for i, t in enumerate(timesteps.to(device)):
+            v = predict_velocity(transformer, x, t, prompt_embeds[chunk], pooled[chunk], guidance_scale,
+                                 negative_embeds, negative_pooled)
+            x = x + float(sigmas[i + 1] - sigmas[i]) * v.float()  # in float32 even for bf16 models, like diffusers
+            bar.update()
+        latents[chunk] = x
+        if decode:
+            images.append(decode_latents(pipe, x))
+    bar.close()
+    out = {"latents": latents, "timesteps": timesteps, "sigmas": sigmas}  # (B, C, h, w), (T,), (T + 1,) float32
+    if decode:
+        out["images"] = np.concatenate(images)  # (B, H, W, 3) uint8
+    return out

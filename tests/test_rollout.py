@@ -1,0 +1,332 @@
+"""rollout.py on the tiny random SD3 (CPU, fp32): sampler vs diffusers, seeds, text encoding, LoRA adapters, loading."""
+
+import huggingface_hub
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusion3Pipeline
+from safetensors.torch import load_file
+
+import rollout
+
+PROMPTS = ['a sign that says "hello"', 'a poster with "CRD 2026" on it']
+H = W = 64
+
+
+def embed(pipe, n=2):
+    """Embeddings of n images, cycling through PROMPTS."""
+    return rollout.encode_prompts(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(n)])
+
+
+@pytest.fixture
+def lora_pipe(tiny_model_dir):
+    """A fresh tiny pipe with the three adapters (rank 4, alpha 8: a LoRA scale of 2, as in the recipe)."""
+    pipe = rollout.load_pipeline(str(tiny_model_dir))
+    rollout.add_lora_adapters(pipe.transformer, rank=4, alpha=8)
+    return pipe
+
+
+def perturb(transformer, name, seed=0):
+    """Give adapter `name` random non-zero weights (a fresh LoRA has B = 0, i.e. it is the identity)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in rollout.lora_parameters(transformer, name):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def active_velocity(pipe):
+    """v of 2 images at t = 700 with whatever adapter is active, on fixed inputs."""
+    x = rollout.initial_latents([0, 1], (16, H // 8, W // 8), "cpu", torch.float32)
+    return rollout.predict_velocity(pipe.transformer, x, 700.0, *embed(pipe))
+
+
+def velocity(pipe, name="policy"):
+    """active_velocity with adapter `name` (None: the base model)."""
+    with rollout.use_adapter(pipe.transformer, name):
+        return active_velocity(pipe)
+
+
+# ---- sampler ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [1.0, 4.5])
+def test_sample_matches_diffusers_pipeline(tiny_pipe, cfg):
+    embeds, pooled = embed(tiny_pipe, 3)
+    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe)
+    seeds = [11, 12, 13]
+    out = rollout.sample(tiny_pipe, embeds, pooled, seeds, num_steps=6, guidance_scale=cfg, height=H, width=W)
+    latents = rollout.initial_latents(seeds, (16, H // 8, W // 8), "cpu", torch.float32)
+    call = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, negative_prompt_embeds=neg.expand(3, -1, -1),
+                negative_pooled_prompt_embeds=neg_pooled.expand(3, -1), num_inference_steps=6, guidance_scale=cfg,
+                latents=latents, height=H, width=W)
+    expected = tiny_pipe(**call, output_type="latent").images
+    torch.testing.assert_close(out["latents"], expected, atol=1e-5, rtol=1e-5)
+    images = tiny_pipe(**call, output_type="np").images  # (B, H, W, 3) floats in [0, 1]
+    assert out["images"].shape == (3, H, W, 3) and out["images"].dtype == np.uint8
+    assert np.abs(out["images"].astype(int) - (images * 255).round().astype(int)).max() <= 1
+    assert out["timesteps"].shape == (6,) and out["sigmas"].shape == (7,) and out["timesteps"].dtype == torch.float32
+    torch.testing.assert_close(out["timesteps"], tiny_pipe.scheduler.timesteps)
+
+
+def test_sigmas_are_shifted_sd3_grid(tiny_pipe):
+    out = rollout.sample(tiny_pipe, *embed(tiny_pipe, 1), [0], num_steps=10, height=H, width=W, decode=False)
+
+    def shift(s):  # SD3's time shift, 3.0; diffusers applies it to the shifted minimum sigma once more
+        return 3 * s / (1 + 2 * s)
+
+    s = torch.linspace(1.0, shift(1 / 1000), 10, dtype=torch.float64)
+    expected = torch.cat([shift(s), torch.zeros(1, dtype=torch.float64)])
+    torch.testing.assert_close(out["sigmas"].double(), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["timesteps"], 1000 * out["sigmas"][:-1])
+    assert "images" not in out and out["latents"].dtype == torch.float32
+
+
+def test_image_is_reproducible_alone_or_in_any_batch(tiny_pipe):
+    embeds, pooled = embed(tiny_pipe, 5)
+    seeds = [3, 1, 4, 1, 5]
+    run = dict(num_steps=4, height=H, width=W, decode=False)
+    full = rollout.sample(tiny_pipe, embeds, pooled, seeds, **run)["latents"]
+    chunked = rollout.sample(tiny_pipe, embeds, pooled, seeds, max_batch_size=2, **run)["latents"]
+    alone = rollout.sample(tiny_pipe, embeds[2:3], pooled[2:3], seeds[2:3], **run)["latents"]
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone[0], full[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full[1], full[3], atol=1e-5, rtol=1e-5)  # same seed, different prompts (0, 1) ...
+    assert not torch.allclose(full[0], full[2])  # ... and same prompt, different seeds
+
+
+def test_initial_latents_per_seed():
+    x = rollout.initial_latents([7, 8], (16, 8, 8), "cpu", torch.bfloat16)
+    assert x.shape == (2, 16, 8, 8) and x.dtype == torch.bfloat16
+    alone = rollout.initial_latents([8], (16, 8, 8), "cpu", torch.float32)
+    torch.testing.assert_close(x[1], alone[0].bfloat16(), atol=0, rtol=0)
+
+
+def test_predict_velocity_cfg_is_one_batch_of_unc_and_cond(tiny_pipe):
+    transformer = tiny_pipe.transformer
+    embeds, pooled = embed(tiny_pipe)
+    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe)
+    x = rollout.initial_latents([0, 1], (16, 8, 8), "cpu", torch.float32)
+    t = torch.tensor([900.0, 300.0])
+    v_cond = rollout.predict_velocity(transformer, x, t, embeds, pooled)
+    v_unc = rollout.predict_velocity(transformer, x, t, neg.expand(2, -1, -1), neg_pooled.expand(2, -1))
+    v = rollout.predict_velocity(transformer, x, t, embeds, pooled, 4.5, neg, neg_pooled)
+    torch.testing.assert_close(v, v_unc + 4.5 * (v_cond - v_unc), atol=1e-5, rtol=1e-5)
+    assert v.shape == x.shape
+    with pytest.raises(ValueError, match="negative"):
+        rollout.predict_velocity(transformer, x, t, embeds, pooled, 4.5)
+
+
+# ---- text ------------------------------------------------------------------------------------------------------------
+
+
+def test_encode_prompts_shapes_and_dedupe(tiny_pipe, monkeypatch):
+    calls = []
+    encode_prompt = tiny_pipe.encode_prompt
+
+    def spy(prompt, *args, **kwargs):
+        calls.append(prompt)
+        return encode_prompt(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_pipe, "encode_prompt", spy)
+    embeds, pooled = rollout.encode_prompts(tiny_pipe, ["a", "b", "a"])
+    assert calls == [["a", "b"]]
+    assert embeds.shape == (3, 77 + 256, 32) and pooled.shape == (3, 32)
+    for i, prompt in enumerate(["a", "b", "a"]):
+        alone, alone_pooled = rollout.encode_prompts(tiny_pipe, [prompt])
+        torch.testing.assert_close(embeds[i : i + 1], alone, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(pooled[i : i + 1], alone_pooled, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(embeds[0], embeds[1])
+    assert rollout.encode_prompts(tiny_pipe, ["a"], max_sequence_length=32)[0].shape == (1, 77 + 32, 32)
+
+
+def test_negative_embeddings_cached(tiny_pipe, monkeypatch):
+    first = rollout.negative_embeddings(tiny_pipe, 64)
+    monkeypatch.setattr(rollout, "encode_prompts", lambda *a, **k: pytest.fail("negative prompt encoded twice"))
+    second = rollout.negative_embeddings(tiny_pipe, 64)
+    assert first[0] is second[0] and first[0].shape == (1, 77 + 64, 32) and first[1].shape == (1, 32)
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------------------------------
+
+
+def test_adapters_layout_and_trainability(lora_pipe):
+    transformer = lora_pipe.transformer
+    blocks = transformer.config.num_layers
+    for name in ["policy", "old", "sampling"]:
+        params = rollout.lora_parameters(transformer, name)
+        assert len(params) == 2 * (8 * blocks - 1)  # A and B; the last block has no to_add_out (context_pre_only)
+        assert all(p.dtype == torch.float32 for p in params)
+    names = [n for n, p in transformer.named_parameters() if p.requires_grad]
+    assert names and all(".policy." in n for n in names)
+    trainable = {id(p) for p in transformer.parameters() if p.requires_grad}
+    assert {id(p) for p in rollout.lora_parameters(transformer)} == trainable
+    lora_modules = [n for n, _ in transformer.named_modules() if n.endswith("lora_A")]
+    assert lora_modules and not any("attn2" in n for n in lora_modules)  # SD3.5's dual attention is not adapted
+    assert any("attn2" in n for n, _ in transformer.named_modules())
+    policy = rollout.lora_state_dict(transformer, "policy")
+    for name in ["old", "sampling"]:
+        other = rollout.lora_state_dict(transformer, name)
+        assert other.keys() == policy.keys()
+        assert all(torch.equal(other[k], policy[k]) for k in policy)
+
+
+def test_fresh_adapters_equal_base(lora_pipe):
+    base = velocity(lora_pipe, None)
+    for name in ["policy", "old", "sampling"]:
+        torch.testing.assert_close(velocity(lora_pipe, name), base, atol=0, rtol=0)
+
+
+def test_use_adapter_switches_outputs_not_requires_grad(lora_pipe):
+    transformer = lora_pipe.transformer
+    base = velocity(lora_pipe, None)
+    perturb(transformer, "policy")
+    grads = {n: p.requires_grad for n, p in transformer.named_parameters()}
+    policy = velocity(lora_pipe, "policy")
+    assert (policy - base).abs().max() > 1e-3
+    torch.testing.assert_close(velocity(lora_pipe, None), base, atol=0, rtol=0)
+    torch.testing.assert_close(velocity(lora_pipe, "old"), base, atol=0, rtol=0)
+    torch.testing.assert_close(active_velocity(lora_pipe), policy, atol=0, rtol=0)  # policy is active by default
+    with rollout.use_adapter(transformer, None):
+        with rollout.use_adapter(transformer, "policy"):
+            assert {n: p.requires_grad for n, p in transformer.named_parameters()} == grads
+        torch.testing.assert_close(active_velocity(lora_pipe), base, atol=0, rtol=0)  # the outer state is back
+    torch.testing.assert_close(active_velocity(lora_pipe), policy, atol=0, rtol=0)
+    assert {n: p.requires_grad for n, p in transformer.named_parameters()} == grads
+    with pytest.raises(ValueError, match="unknown adapter"):
+        with rollout.use_adapter(transformer, "polcy"):
+            pass
+
+
+def test_gradients_reach_only_the_policy(lora_pipe):
+    transformer = lora_pipe.transformer
+    perturb(transformer, "policy")
+    velocity(lora_pipe, "policy").square().mean().backward()
+    dead = f"transformer_blocks.{transformer.config.num_layers - 1}.attn.add_q_proj"  # the last block drops its text
+    keys = rollout.lora_state_dict(transformer, "policy")  # same order as lora_parameters
+    for name, p in zip(keys, rollout.lora_parameters(transformer, "policy")):
+        assert p.grad is not None and (p.grad.abs().sum() > 0 or name.startswith(dead)), name
+    assert all(p.grad is None for n, p in transformer.named_parameters() if ".policy." not in n)
+
+
+def test_lora_tensors_stay_float32_on_bf16_base(tiny_model_dir):
+    transformer = rollout.load_pipeline(str(tiny_model_dir), dtype=torch.bfloat16).transformer
+    rollout.add_lora_adapters(transformer, rank=4, alpha=8)
+    assert transformer.dtype == torch.bfloat16
+    for name in ["policy", "old", "sampling"]:
+        assert all(p.dtype == torch.float32 for p in rollout.lora_parameters(transformer, name))
+
+
+def test_lora_state_dict_roundtrip(lora_pipe):
+    transformer = lora_pipe.transformer
+    perturb(transformer, "policy")
+    state = {k: v.clone() for k, v in rollout.lora_state_dict(transformer, "policy").items()}
+    assert all(".policy." not in k for k in state) and list(state)[0].endswith("lora_A.weight")
+    sampling = rollout.lora_parameters(transformer, "sampling")
+    rollout.load_lora_state_dict(transformer, "sampling", state)
+    assert all(a is b for a, b in zip(sampling, rollout.lora_parameters(transformer, "sampling")))  # in place
+    torch.testing.assert_close(velocity(lora_pipe, "sampling"), velocity(lora_pipe, "policy"), atol=0, rtol=0)
+    with pytest.raises(KeyError):
+        rollout.load_lora_state_dict(transformer, "old", dict(list(state.items())[1:]))
+
+
+def test_ema_update_matches_hand_computation(lora_pipe):
+    transformer = lora_pipe.transformer
+    perturb(transformer, "policy", seed=1)
+    perturb(transformer, "old", seed=2)
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    rollout.ema_update_(transformer, "old", "policy", 0.9)
+    after = transformer.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed and all(".old." in k for k in changed)
+    for k in changed:
+        expected = 0.9 * before[k] + 0.1 * before[k.replace(".old.", ".policy.")]
+        torch.testing.assert_close(after[k], expected, atol=1e-7, rtol=1e-6)
+    rollout.ema_update_(transformer, "sampling", "policy", 0.0)  # decay 0 is an exact copy
+    assert all(torch.equal(a, b) for a, b in zip(rollout.lora_parameters(transformer, "sampling"),
+                                                  rollout.lora_parameters(transformer, "policy")))
+
+
+def test_exported_lora_loads_in_diffusers(lora_pipe, tiny_model_dir, tmp_path):
+    transformer = lora_pipe.transformer
+    perturb(transformer, "policy")
+    perturb(transformer, "sampling", seed=5)  # must not leak into the export
+    rollout.export_lora(transformer, "policy", tmp_path)
+    assert len(load_file(tmp_path / "pytorch_lora_weights.safetensors")) == len(rollout.lora_parameters(transformer))
+    fresh = StableDiffusion3Pipeline.from_pretrained(tiny_model_dir)
+    fresh.load_lora_weights(tmp_path)
+    embeds, pooled = embed(lora_pipe)
+    x = rollout.initial_latents([0, 1], (16, 8, 8), "cpu", torch.float32)
+    torch.testing.assert_close(rollout.predict_velocity(fresh.transformer, x, 700.0, embeds, pooled),
+                               velocity(lora_pipe, "policy"), atol=1e-5, rtol=1e-5)
+    run = dict(num_steps=4, guidance_scale=4.5, height=H, width=W, decode=False)
+    with rollout.use_adapter(transformer, "policy"):
+        ours = rollout.sample(lora_pipe, embeds, pooled, [0, 1], **run)["latents"]
+    theirs = rollout.sample(fresh, embeds, pooled, [0, 1], **run)["latents"]
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+# ---- loading ---------------------------------------------------------------------------------------------------------
+
+
+def test_tiny_is_deterministic_and_cached(tmp_path, tiny_pipe, monkeypatch):
+    monkeypatch.setenv("CRD_CACHE", str(tmp_path))
+    pipe = rollout.load_pipeline(rollout.TINY)  # a second, independent build
+    assert (tmp_path / rollout.TINY_DIR_NAME / "model_index.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [rollout.TINY_DIR_NAME]  # no temporary build directory left behind
+    for name in ["transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"]:
+        ours, theirs = getattr(pipe, name).state_dict(), getattr(tiny_pipe, name).state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    monkeypatch.setattr(rollout, "_build_components", lambda config: pytest.fail("tiny model rebuilt"))
+    again = rollout.load_pipeline(rollout.TINY)
+    assert torch.equal(next(again.transformer.parameters()), next(pipe.transformer.parameters()))
+    assert not any(p.requires_grad for p in again.transformer.parameters())
+
+
+def test_tiny_build_is_atomic(tmp_path, monkeypatch):
+    path, save = tmp_path / "tiny-sd3", StableDiffusion3Pipeline.save_pretrained
+
+    def interrupted(self, directory, **kwargs):
+        save(self, directory, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StableDiffusion3Pipeline, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rollout.load_pipeline(rollout.TINY, cache_dir=path)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written to pick up later
+
+    def concurrent(self, directory, **kwargs):  # another process finishes while this one is still building
+        save(self, path, **kwargs)
+        save(self, directory, **kwargs)
+
+    monkeypatch.setattr(StableDiffusion3Pipeline, "save_pretrained", concurrent)
+    rollout.load_pipeline(rollout.TINY, cache_dir=path)
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-sd3"]
+
+
+def test_random_medium_has_sd35_medium_size():
+    pipe = rollout.load_pipeline(rollout.RANDOM_MEDIUM, device="meta", dtype=torch.bfloat16)
+
+    def count(module):
+        return sum(p.numel() for p in module.parameters())
+
+    assert count(pipe.transformer) == 2_243_171_520 and round(count(pipe.transformer) / 1e7) == 224
+    assert pipe.transformer.dtype == torch.bfloat16 and pipe.transformer.device.type == "meta"
+    assert 80e6 < count(pipe.vae) < 90e6
+    assert count(pipe.text_encoder) == 123_650_304  # CLIP-L/14
+    assert count(pipe.text_encoder_2) == 694_659_840  # OpenCLIP bigG/14
+    assert count(pipe.text_encoder_3) == 4_762_310_656  # T5-XXL encoder
+    assert len(pipe.tokenizer) == len(pipe.tokenizer_2) == 49408 and len(pipe.tokenizer_3) == 32128
+    assert pipe.vae_scale_factor == 8 and pipe.scheduler.config.shift == 3.0
+
+
+def test_missing_local_model_has_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="hf auth login") as info:
+        rollout.load_pipeline(str(tmp_path / "no-such-model"))
+    assert "local directory" in str(info.value) and info.value.__cause__ is not None
+
+
+def test_hub_model_offline_has_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once at import
+    with pytest.raises(RuntimeError, match="hf auth login"):
+        rollout.load_pipeline("crd-tests/no-such-sd3-model")
