@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The recipe launcher (SPEC §3):
+#   bash run.sh crd  [trainer args...]     CRD, defaults of the recipe; extra args are passed last, so they win
+#   bash run.sh dgpo [trainer args...]     the matched DGPO baseline
+#   bash run.sh compare RUN_DIR_A RUN_DIR_B   the anchor table of two finished runs, side by side
+# Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
+# TOTAL_TRAINING_STEPS (100 iterations), OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
+# REWARD_MODEL, REWARD_PORT (8000).
+set -euo pipefail
+cd "$(dirname "$0")"
+usage="usage: bash run.sh crd|dgpo [trainer args...]  |  bash run.sh compare RUN_DIR_A RUN_DIR_B"
+algo=${1:-}
+[[ $algo == crd || $algo == dgpo || $algo == compare ]] || { echo "$usage" >&2; exit 2; }
+shift
+
+if [[ $algo == compare ]]; then
+  [[ $# == 2 ]] || { echo "$usage" >&2; exit 2; }
+  exec python3 - "$@" <<'PY'
+import json, sys
+from pathlib import Path
+runs = []
+for run in sys.argv[1:]:
+    path = Path(run) / "summary.json"
+    if not path.is_file():
+        sys.exit(f"run.sh compare: {path} not found (did the run finish?)")
+    runs.append((Path(run).name, json.loads(path.read_text())))
+fmt = lambda v, unit="": "n/a" if v is None else f"{v:.4f}{unit}" if isinstance(v, float) else str(v)
+rows = [("Initial held-out OCR reward", lambda s: fmt(s["initial_eval_reward"])),
+        ("Final held-out OCR reward", lambda s: fmt(s["final_eval_reward"])),
+        ("Best observed held-out OCR reward", lambda s: f"{fmt(s['best_eval_reward'])} (iteration {s['best_eval_iteration']})"),
+        ("Mean training iteration, excluding evaluation", lambda s: f"{s['mean_iteration_s']:.1f} s"),
+        ("Training images per second, excluding evaluation", lambda s: f"{s['train_images_per_s']:.3f}"),
+        ("Actor GPU memory peak", lambda s: ", ".join(f"{v:.1f} GiB" for v in s["peak_mem_gib"].values())),
+        ("Iterations / optimizer updates", lambda s: f"{s['iterations']} / {s['optimizer_steps']}")]
+table = [("Metric", *[name for name, _ in runs])] + [(label, *[get(s) for _, s in runs]) for label, get in rows]
+widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+for i, row in enumerate(table):
+    print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |")
+    if i == 0:
+        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+PY
+fi
+
+NUM_GPUS_ACTOR_ROLLOUT=${NUM_GPUS_ACTOR_ROLLOUT:-1}
+NUM_GPUS_REWARD=${NUM_GPUS_REWARD:-1}
+GROUP_SIZE=${GROUP_SIZE:-6}
+IMAGE_RESOLUTION=${IMAGE_RESOLUTION:-512}
+TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-100}
+OUTPUT_DIR=${OUTPUT_DIR:-runs/$algo}
+TRAIN_DATA=${TRAIN_DATA:-data/ocr/train.jsonl}
+EVAL_DATA=${EVAL_DATA:-data/ocr/test.jsonl}
+MODEL=${MODEL:-stabilityai/stable-diffusion-3.5-medium}
+REWARD_MODEL=${REWARD_MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}
+REWARD_PORT=${REWARD_PORT:-8000}
+
+available=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+needed=$((NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD))
+if (( needed > available )); then
+  echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=$NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD=$NUM_GPUS_REWARD = $needed GPUs asked, $available present" >&2
+  exit 1
+fi
+
+reward_args=()
+if (( NUM_GPUS_REWARD == 0 )); then
+  reward_args=(--reward qwen-vl --reward-model "$REWARD_MODEL")           # scored on each actor's own GPU
+elif python3 -c "import vllm" 2>/dev/null; then
+  reward_gpus=$(seq -s, "$NUM_GPUS_ACTOR_ROLLOUT" $((needed - 1)))
+  log="$OUTPUT_DIR/reward_server.log"
+  mkdir -p "$OUTPUT_DIR"
+  echo "+ CUDA_VISIBLE_DEVICES=$reward_gpus vllm serve $REWARD_MODEL --host 127.0.0.1 --port $REWARD_PORT (log: $log)"
+  CUDA_VISIBLE_DEVICES=$reward_gpus setsid vllm serve "$REWARD_MODEL" --host 127.0.0.1 --port "$REWARD_PORT" \
+    --data-parallel-size "$NUM_GPUS_REWARD" --max-model-len 4096 --limit-mm-per-prompt '{"image": 1}' >"$log" 2>&1 &
+  server=$!
+  trap 'kill -- -$server 2>/dev/null || true' EXIT
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$REWARD_PORT/health" >/dev/null && break
+    kill -0 "$server" 2>/dev/null || { echo "run.sh: error: the reward server exited; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
+    sleep 1
+  done
+  curl -sf "http://127.0.0.1:$REWARD_PORT/health" >/dev/null \
+    || { echo "run.sh: error: the reward server did not become healthy in 600 s; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
+  reward_args=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "http://127.0.0.1:$REWARD_PORT")
+else
+  reward_args=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
+fi
+
+cmd=(torchrun --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT" "$algo.py"
+     --model "$MODEL" --train-data "$TRAIN_DATA" --eval-data "$EVAL_DATA" --group-size "$GROUP_SIZE"
+     --resolution "$IMAGE_RESOLUTION" --num-iterations "$TOTAL_TRAINING_STEPS" --output-dir "$OUTPUT_DIR"
+     "${reward_args[@]}" "$@")
+echo "+ ${cmd[*]}"
+"${cmd[@]}"

@@ -1,0 +1,184 @@
+"""End-to-end runs of crd.py and dgpo.py on the tiny model (CPU): outputs, resume, signals, errors, learning."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusion3Pipeline
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import rollout
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data" / "ocr"
+SCRIPTS = ["crd.py"]
+TINY_RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data", str(DATA / "train.txt"),
+            "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
+            "--eval-prompts", "4", "--eval-steps", "4", "--learning-rate", "3e-3"]
+SPEC_TAGS = {"train/reward_mean", "train/reward_std", "train/zero_std_group_frac", "eval/reward_mean", "losses/loss",
+             "losses/policy_loss", "losses/kl_loss", "charts/lr", "charts/grad_norm", "charts/decay_old",
+             "charts/decay_sampling", "perf/iteration_s", "perf/images_per_s", "perf/rollout_s", "perf/reward_s",
+             "perf/train_s", "perf/eval_s", "perf/peak_mem_gib"}
+
+
+def train(script, tiny_model_dir, out_dir, *extra, check=True, timeout=600):
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
+    cmd = [sys.executable, script, *TINY_RUN, "--output-dir", str(out_dir), "--run-name", "run", *map(str, extra)]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    return result
+
+
+def scalars(run_dir, tag):
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {s.step: s.value for s in events.Scalars(tag)}
+
+
+@pytest.fixture(scope="module", params=SCRIPTS)
+def three_iterations(request, tiny_model_dir, tmp_path_factory):
+    """Each trainer, 3 iterations, validating and saving every iteration."""
+    out = tmp_path_factory.mktemp(Path(request.param).stem)
+    train(request.param, tiny_model_dir, out, "--num-iterations", 3, "--eval-every", 1, "--save-every", 1)
+    return request.param, out / "run"
+
+
+def test_smoke_run_writes_logs_checkpoints_and_summary(three_iterations):
+    script, run = three_iterations
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert SPEC_TAGS <= set(events.Tags()["scalars"]), SPEC_TAGS - set(events.Tags()["scalars"])
+    assert {"eval/images"} <= set(events.Tags()["images"])
+    assert [s.step for s in events.Scalars("train/reward_mean")] == [1, 2, 3]
+    assert [s.step for s in events.Scalars("eval/reward_mean")] == [0, 1, 2, 3]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("global_step")) == ["global_step_2", "global_step_3"]
+    assert not list(run.glob(".global_step_*"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 3 and summary["optimizer_steps"] == 6  # 2 groups per iteration, a step each
+    assert 0 < summary["initial_eval_reward"] < 1 and summary["best_eval_iteration"] in (0, 1, 2, 3)
+    assert summary["train_images_per_s"] > 0 and summary["peak_mem_gib"]["cpu"] > 0
+    state = json.loads((run / "global_step_3" / "trainer_state.json").read_text())
+    assert state["iteration"] == 3 and state["args"]["num_iterations"] == 3 and state["sampler"]["position"] == 6
+
+
+def test_exported_lora_loads_in_diffusers_and_matches_the_trainer(three_iterations, tiny_model_dir):
+    _, run = three_iterations
+    checkpoint = run / "global_step_3"
+    trainer = rollout.load_pipeline(str(tiny_model_dir))
+    rollout.add_lora_adapters(trainer.transformer)
+    adapters = load_file(checkpoint / "adapters.safetensors")
+    policy = {k.removeprefix("policy."): v for k, v in adapters.items() if k.startswith("policy.")}
+    assert any(v.abs().max() > 0 for k, v in policy.items() if "lora_B" in k)  # it trained
+    rollout.load_lora_state_dict(trainer.transformer, "policy", policy)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_model_dir)
+    pipe.load_lora_weights(checkpoint / "policy_lora")
+    embeds, pooled = rollout.encode_prompts(pipe, ['a sign that reads "Hello"'] * 2)
+    latents, t = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor(700.0)
+    with torch.no_grad(), rollout.use_adapter(trainer.transformer, "policy"):
+        ours = rollout.predict_velocity(trainer.transformer, latents, t, embeds, pooled)
+    with torch.no_grad():
+        theirs = rollout.predict_velocity(pipe.transformer, latents, t, embeds, pooled)
+        pipe.disable_lora()
+        base = rollout.predict_velocity(pipe.transformer, latents, t, embeds, pooled)
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    assert (theirs - base).abs().max() > 1e-3
+
+
+def test_resume_continues_exactly(three_iterations, tiny_model_dir, tmp_path):
+    """1 iteration, then a resume for 1 more: the same adapters and logs as the uninterrupted run at iteration 2."""
+    script, straight = three_iterations
+    train(script, tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 1, "--save-every", 1)
+    resumed = tmp_path / "run"
+    train(script, tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 1, "--save-every", 1,
+          "--resume-from", resumed / "global_step_1")
+    a, b = load_file(straight / "global_step_2" / "adapters.safetensors"), load_file(resumed / "global_step_2" / "adapters.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for tag in ("train/reward_mean", "eval/reward_mean", "losses/loss"):
+        logged, expected = scalars(resumed, tag), scalars(straight, tag)
+        assert logged == {step: expected[step] for step in logged} and max(logged) == 2, tag
+    state = json.loads((resumed / "global_step_2" / "trainer_state.json").read_text())
+    assert state["eval"] == json.loads((straight / "global_step_2" / "trainer_state.json").read_text())["eval"]
+
+
+def test_interrupted_checkpoint_is_never_picked_up(tmp_path, tiny_model_dir, monkeypatch):
+    import crd
+
+    pipe = rollout.load_pipeline(str(tiny_model_dir))
+    rollout.add_lora_adapters(pipe.transformer, 4, 4)
+    optimizer = torch.optim.AdamW(rollout.lora_parameters(pipe.transformer))
+    crd.save_checkpoint(tmp_path, 1, pipe.transformer, optimizer, {"iteration": 1}, keep_last=2)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        crd.save_checkpoint(tmp_path, 2, pipe.transformer, optimizer, {"iteration": 2}, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]  # intact, nothing half-written left
+    result = subprocess.run([sys.executable, "crd.py", "--resume-from", str(tmp_path / "global_step_2")], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "not a checkpoint directory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_sigterm_finishes_the_iteration_and_saves(tmp_path, tiny_model_dir):
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
+    cmd = [sys.executable, "crd.py", *TINY_RUN, "--output-dir", str(tmp_path), "--run-name", "run",
+           "--num-iterations", "1000", "--eval-every", "0", "--save-every", "1000"]
+    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob("run/events.*")) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # a few iterations in
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-2000:]
+    checkpoints = list((tmp_path / "run").glob("global_step_*"))
+    assert len(checkpoints) == 1 and 1 <= int(checkpoints[0].name.split("_")[-1]) < 1000
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == int(checkpoints[0].name.split("_")[-1])
+    assert "saving a checkpoint" in stdout
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--train-batch-size", "6"], "--train-batch-size 6 must be a multiple of --group-size 4"),
+    (["--group-size", "1"], "centering needs at least 2"),
+    (["--resolution", "60"], "not a multiple of 16"),
+    (["--num-train-timesteps", "10"], "--num-train-timesteps 10 must lie in [1, --num-steps - 1 = 9]"),
+    (["--train-data", "missing/train.jsonl"], "missing/train.jsonl: prompt file not found"),
+    (["--model", "/nonexistent/sd35"], "could not load the SD3 model '/nonexistent/sd35'"),
+    (["--reward", "ocr"], "--reward ocr: choose one of"),
+])
+def test_bad_input_gives_a_clear_error(extra, message, tiny_model_dir, tmp_path):
+    result = train("crd.py", tiny_model_dir, tmp_path, *extra, check=False)
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_nonfinite_gradients_skip_steps_then_stop_with_a_checkpoint(tiny_model_dir, tmp_path):
+    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 20, "--eval-every", 0,
+                   "--learning-rate", 1e30, "--max-nonfinite-steps", 3, check=False)
+    assert result.returncode != 0 and "3 consecutive non-finite gradients" in result.stderr
+    assert "non-finite gradient, optimizer step skipped" in result.stdout
+    assert sum(scalars(tmp_path / "run", "charts/skipped_steps").values()) == 3
+    assert len(list((tmp_path / "run").glob("global_step_*"))) == 1
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_learning_raises_a_cheap_reward(script, tiny_model_dir, tmp_path):
+    """Brightness on the tiny model: the training reward must rise clearly above its start within ~30 CPU seconds."""
+    train(script, tiny_model_dir, tmp_path, "--num-iterations", 30, "--group-size", 8, "--eval-every", 30,
+          "--eval-prompts", 8, "--eval-steps", 10)
+    rewards = np.array(list(scalars(tmp_path / "run", "train/reward_mean").values()))
+    spread = np.mean(list(scalars(tmp_path / "run", "train/reward_std").values()))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    print(f"{script}: train reward {rewards[:5].mean():.4f} -> {rewards[-10:].mean():.4f} (within-batch std {spread:.4f}); "
+          f"eval {summary['initial_eval_reward']:.4f} -> {summary['final_eval_reward']:.4f}")
+    assert rewards[-10:].mean() - rewards[:5].mean() > spread
+    assert summary["final_eval_reward"] - summary["initial_eval_reward"] > 2 * spread
