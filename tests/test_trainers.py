@@ -19,7 +19,7 @@ import rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
-SCRIPTS = ["crd.py"]
+SCRIPTS = ["crd.py", "dgpo.py"]
 TINY_RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data", str(DATA / "train.txt"),
             "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
             "--eval-prompts", "4", "--eval-steps", "4", "--learning-rate", "3e-3"]
@@ -44,12 +44,20 @@ def scalars(run_dir, tag):
     return {s.step: s.value for s in events.Scalars(tag)}
 
 
-@pytest.fixture(scope="module", params=SCRIPTS)
-def three_iterations(request, tiny_model_dir, tmp_path_factory):
-    """Each trainer, 3 iterations, validating and saving every iteration."""
-    out = tmp_path_factory.mktemp(Path(request.param).stem)
-    train(request.param, tiny_model_dir, out, "--num-iterations", 3, "--eval-every", 1, "--save-every", 1)
-    return request.param, out / "run"
+@pytest.fixture(scope="module")
+def three_iteration_runs(tiny_model_dir, tmp_path_factory):
+    """{script: run directory} of each trainer run for 3 iterations, validating and saving every iteration."""
+    runs = {}
+    for script in SCRIPTS:
+        out = tmp_path_factory.mktemp(Path(script).stem)
+        train(script, tiny_model_dir, out, "--num-iterations", 3, "--eval-every", 1, "--save-every", 1)
+        runs[script] = out / "run"
+    return runs
+
+
+@pytest.fixture(params=SCRIPTS)
+def three_iterations(request, three_iteration_runs):
+    return request.param, three_iteration_runs[request.param]
 
 
 def test_smoke_run_writes_logs_checkpoints_and_summary(three_iterations):
@@ -182,3 +190,15 @@ def test_learning_raises_a_cheap_reward(script, tiny_model_dir, tmp_path):
           f"eval {summary['initial_eval_reward']:.4f} -> {summary['final_eval_reward']:.4f}")
     assert rewards[-10:].mean() - rewards[:5].mean() > spread
     assert summary["final_eval_reward"] - summary["initial_eval_reward"] > 2 * spread
+
+
+def test_compare_prints_the_anchor_table_side_by_side(three_iteration_runs):
+    result = subprocess.run(["bash", "run.sh", "compare", *map(str, three_iteration_runs.values())], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in result.stdout.splitlines()[2:]}
+    for script, column in zip(SCRIPTS, zip(*rows.values())):
+        summary = json.loads((three_iteration_runs[script] / "summary.json").read_text())
+        assert column[0] == f"{summary['initial_eval_reward']:.4f}" and column[1] == f"{summary['final_eval_reward']:.4f}"
+    assert rows["Iterations / optimizer updates"] == ["3 / 6", "3 / 6"]
+    missing = subprocess.run(["bash", "run.sh", "compare", "runs/none", "runs/none"], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode != 0 and "runs/none/summary.json not found" in missing.stderr

@@ -1,0 +1,472 @@
+"""DGPO: Direct Group Preference Optimization for text rendering with Stable Diffusion 3.5 Medium and LoRA.
+
+The matched baseline of crd.py (Luo et al., arXiv 2510.08425): the same prompts, reward, rollouts, batch,
+timesteps and budget; only the loss and the EMA schedule of the snapshot adapters differ (`diff crd.py dgpo.py`).
+1. A Bradley-Terry preference between the positive (A > 0) and negative (A <= 0) halves of a prompt group, with
+   Diffusion-DPO implicit rewards from flow-matching errors against the frozen base model; weighting each image by
+   its advantage cancels the intractable log Z(c) across the two halves.
+2. One shared noise per group and timestep; the group's preference weight sigmoid(s_g) is detached, giving the
+   gradient of -log sigmoid(-beta' sum_i A_i (d_i - d_ref_i)) in an all-reduce-friendly form.
+3. A PPO-style clip against the old adapter (an EMA updated after every optimizer step) and a velocity MSE to the
+   base model; rollouts use the policy until step 200, then the old adapter.
+
+    python dgpo.py --group-size 6       # the DGPO baseline of the recipe
+    bash run.sh dgpo                    # with the recipe's GPU layout (README)
+    tensorboard --logdir runs
+"""
+
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save_file
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from data import DataError, GroupSampler, load_prompts
+from reward import SCORERS, make_scorer
+from rollout import (add_lora_adapters, ema_update_, encode_prompts, export_lora, load_lora_state_dict, load_pipeline,
+                     lora_parameters, lora_state_dict, negative_embeddings, predict_velocity, sample, use_adapter)
+
+
+@dataclass
+class Args:
+    """Train SD3.5 with LoRA by reinforcement learning on the OCR text-rendering task."""
+
+    # Experiment
+    exp_name: str = Path(__file__).stem
+    """name of this experiment: the prefix of the run directory"""
+    seed: int = 42
+    """seed of the prompt order, rollout noise and training noise"""
+    output_dir: str = "runs"
+    """runs are written to {output_dir}/{run_name}/"""
+    run_name: str = ""
+    """run directory name (default: {exp_name}__{reward}__{seed}__{unix time})"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """actor device; under torchrun each rank takes cuda:LOCAL_RANK"""
+
+    # Model, data and rollout
+    model: str = "stabilityai/stable-diffusion-3.5-medium"
+    """hub id or local directory of SD3.5, `tiny` (random tiny SD3, CPU demo) or `random-sd3.5-medium` (random full-size)"""
+    train_data: str = "data/ocr/train.jsonl"
+    """training prompts (.jsonl from data.py, or Flow-GRPO's raw .txt)"""
+    eval_data: str = "data/ocr/test.jsonl"
+    """held-out validation prompts"""
+    resolution: int = 512
+    """image height and width in pixels (multiple of 16)"""
+    prompts_per_rank: int = 4
+    """prompts per iteration on each actor GPU"""
+    group_size: int = 6
+    """images per prompt: the group that advantages and centering run over"""
+    num_steps: int = 10
+    """rollout ODE steps (CFG 1, the sampling adapter)"""
+    max_sequence_length: int = 256
+    """T5 prompt tokens"""
+    lora_rank: int = 32
+    """LoRA rank"""
+    lora_alpha: int = 64
+    """LoRA alpha"""
+    rollout_batch_size: int = 24
+    """largest batch of images sampled in one forward (rollout and validation)"""
+
+    # Reward
+    reward: str = "qwen-vl"
+    """scorer: qwen-vl (in process), vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility (cheap checks)"""
+    reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
+    """hub id or local directory of the OCR model (qwen-vl, vllm)"""
+    reward_device: str = ""
+    """device of the in-process reward model (default: the actor device)"""
+    reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """base URLs of `vllm serve` reward servers (reward vllm)"""
+
+    # Optimisation
+    num_iterations: int = 100
+    """training iterations (rollout, score, update)"""
+    train_batch_size: int = 0
+    """images per optimizer step, a multiple of group_size (0: one prompt group per step)"""
+    num_train_timesteps: int = 9
+    """timesteps trained per image and step, drawn from the rollout grid without its last step"""
+    learning_rate: float = 3e-4
+    """AdamW learning rate (constant)"""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    adam_eps: float = 1e-8
+    """AdamW epsilon"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    max_nonfinite_steps: int = 3
+    """stop (with a checkpoint) after this many consecutive non-finite gradients; each one skips its step"""
+    global_std: bool = True
+    """normalise advantages by the std over all images of the iteration (else per group)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [-adv_clip, adv_clip]"""
+
+    # Validation, logging and checkpoints
+    eval_every: int = 10
+    """validate before training and every N iterations (0: never)"""
+    eval_prompts: int = 32
+    """held-out prompts validated (the first N of eval_data)"""
+    eval_steps: int = 40
+    """validation ODE steps"""
+    eval_guidance: float = 4.5
+    """validation CFG scale (negative prompt "")"""
+    eval_seed: int = 0
+    """image i of validation always uses seed eval_seed + i"""
+    save_every: int = 10
+    """checkpoint every N iterations and at the end"""
+    keep_last: int = 2
+    """checkpoints kept"""
+    resume_from: str = ""
+    """continue a run from its runs/.../global_step_N directory"""
+
+    # Algorithm: DGPO
+    beta_dpo: float = 100.0
+    """beta of the group preference sigmoid(beta / |g| sum_g A_i (d_i - d_ref_i))"""
+    clip_range: float = 0.01
+    """the error of an image stops training once its ratio to the old adapter leaves [1 - clip, 1 + clip]"""
+    ref_kl_coef: float = 0.02
+    """weight of the velocity MSE to the base model"""
+    kl_cfg: float = 1.0
+    """CFG scale of the base model in the reference error and the MSE (1: conditional only)"""
+    shared_group_noise: bool = True
+    """use one training noise per group and timestep (else one per image)"""
+    old_decay: tuple[float, float] = (0.001, 0.3)
+    """EMA of the old adapter after each optimizer step: decay = min(slope * step, max), as (slope, max)"""
+    switch_to_old_step: int = 200
+    """rollouts and validation use the policy until this optimizer step, then the old adapter"""
+
+
+# ALGO LOGIC: the loss of one training timestep
+def dgpo_loss(v_theta, v_old, v_ref, target, advantages, group_size, beta_dpo=100.0, clip_range=0.01, ref_kl_coef=0.02):
+    """DGPO loss for whole prompt groups at one timestep (SPEC §5): the gradient-equivalent form of
+    -log sigmoid(-beta' sum_g A_i (d_i - d_ref_i)) with beta' = beta_dpo / |g|, plus a velocity MSE to the base.
+
+    v_theta (B,C,H,W) policy velocity (with grad); v_old, v_ref (B,C,H,W) old adapter and base velocities;
+    target (B,C,H,W) flow-matching velocity noise - x0; advantages (B,) clipped; groups are contiguous.
+        d_i = mean (u - v_theta)^2;  rho_i = exp(d_old_i - d_i);  d_i is detached where A_i > 0 and rho_i > 1 + eps
+        or A_i <= 0 and rho_i < 1 - eps;  s_g = sg(beta_dpo / |g| sum_g A_i (d_i - d_ref_i))
+        L = mean_i sigmoid(s_g) A_i d_i + ref_kl_coef mean_i mean (v_theta - v_ref)^2
+    """
+    dims = tuple(range(1, v_theta.ndim))
+    advantages, target = advantages.float(), target.float()
+    error = (target - v_theta.float()).square().mean(dims)  # (B,)
+    ref_error = (target - v_ref.float()).square().mean(dims)
+    ratio = torch.exp((target - v_old.float()).square().mean(dims) - error.detach())
+    clipped = ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages <= 0) & (ratio < 1 - clip_range))
+    group_score = (beta_dpo / group_size) * (advantages * (error - ref_error)).detach().view(-1, group_size).sum(1)
+    weight = torch.sigmoid(group_score).repeat_interleave(group_size)  # (B,)
+    policy_loss = (weight * advantages * torch.where(clipped, error.detach(), error)).mean()
+    kl = (v_theta.float() - v_ref.float()).square().mean(dims)  # (B,)
+    kl_loss = ref_kl_coef * kl.mean()
+    info = {"policy_loss": policy_loss, "kl_loss": kl_loss, "kl": kl.mean(), "clip_frac": clipped.float().mean()}
+    return policy_loss + kl_loss, {k: v.detach() for k, v in info.items()}
+
+
+def ema_decay(step, slope, maximum):
+    """decay(step) = min(slope * step, maximum)."""
+    return min(slope * step, maximum)
+
+
+def update_snapshots(transformer, step, args, event):
+    """DGPO: after every optimizer step the old adapter moves toward the policy; the sampling adapter holds a copy
+    of the policy until `switch_to_old_step`, then of the old adapter."""
+    if event != "optimizer_step":
+        return {}
+    decays = {"old": ema_decay(step, *args.old_decay), "sampling": 0.0}
+    ema_update_(transformer, "old", "policy", decays["old"])
+    ema_update_(transformer, "sampling", "policy" if step < args.switch_to_old_step else "old", 0.0)
+    return decays
+
+
+def group_advantages(rewards, group_size, global_std=True, clip=5.0):
+    """A_i = (r_i - mean_group r) / (std + 1e-4), clipped to +-clip; std over every reward given, or per group."""
+    groups = rewards.view(-1, group_size)
+    std = rewards.std(unbiased=False) if global_std else groups.std(1, unbiased=False, keepdim=True)
+    return ((groups - groups.mean(1, keepdim=True)) / (std + 1e-4)).clamp(-clip, clip).flatten()
+
+
+def fail(message):
+    sys.exit(f"{Path(sys.argv[0]).name}: error: {message}")
+
+
+def check_args(args, world_size):
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size}: centering needs at least 2 images per prompt")
+    if args.train_batch_size % args.group_size or (args.prompts_per_rank * args.group_size) % args.train_batch_size:
+        fail(f"--train-batch-size {args.train_batch_size} must be a multiple of --group-size {args.group_size} that "
+             f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
+    if args.resolution % 16:
+        fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
+    if not 1 <= args.num_train_timesteps <= args.num_steps - 1:
+        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, --num-steps - 1 = {args.num_steps - 1}]")
+    if args.reward not in SCORERS:
+        fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
+    if args.resume_from and not (Path(args.resume_from) / "trainer_state.json").is_file():
+        fail(f"--resume-from {args.resume_from}: not a checkpoint directory (no trainer_state.json)")
+
+
+def all_mean_(tensors, world_size):
+    """Average tensors in place over ranks with one flat all-reduce."""
+    if world_size > 1:
+        flat = torch.cat([t.flatten() for t in tensors]) / world_size
+        dist.all_reduce(flat)
+        for t, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+            t.copy_(reduced)
+
+
+def gather(tensor, world_size):
+    if world_size == 1:
+        return tensor
+    out = tensor.new_empty(world_size * len(tensor), *tensor.shape[1:])
+    dist.all_gather_into_tensor(out, tensor.contiguous())
+    return out
+
+
+def captioned_grid(images, captions, columns=4):
+    """(N,H,W,3) uint8 images -> one grid image with a caption strip under each image."""
+    n, height, width, _ = images.shape
+    canvas = Image.new("RGB", (columns * width, -(-n // columns) * (height + 14)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, caption) in enumerate(zip(images, captions)):
+        x, y = i % columns * width, i // columns * (height + 14)
+        canvas.paste(Image.fromarray(image), (x, y))
+        draw.text((x + 2, y + height + 1), caption[: max(width // 6, 8)], fill="black")
+    return np.asarray(canvas)
+
+
+def peak_memory_gib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host peak RSS (KiB on Linux)
+
+
+def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
+    """Write global_step_{iteration}/ atomically (a temporary directory renamed at the end) and prune old ones."""
+    partial = Path(tempfile.mkdtemp(prefix=f".global_step_{iteration}.", dir=run_dir))
+    try:
+        export_lora(transformer, "policy", partial / "policy_lora")
+        adapters = {f"{name}.{key}": value.contiguous() for name in ("policy", "old", "sampling")
+                    for key, value in lora_state_dict(transformer, name).items()}
+        save_file(adapters, partial / "adapters.safetensors")
+        torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+        (partial / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    final = run_dir / f"global_step_{iteration}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    for old in sorted(run_dir.glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))[:-keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(path, transformer, optimizer, device):
+    adapters = load_file(Path(path) / "adapters.safetensors")
+    for name in ("policy", "old", "sampling"):
+        load_lora_state_dict(transformer, name, {k[len(name) + 1 :]: v for k, v in adapters.items() if k.startswith(name + ".")})
+    optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=device, weights_only=True))
+    return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    args.train_batch_size = args.train_batch_size or args.group_size
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    check_args(args, world_size)
+    device = torch.device(args.device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    main_process = rank == 0
+    torch.manual_seed(args.seed)  # the LoRA init; rollout and training noise have their own seeded generators
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
+    G, B, T = args.group_size, args.prompts_per_rank * args.group_size, args.num_train_timesteps
+
+    try:
+        train_set, skipped = load_prompts(args.train_data)
+        eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
+        sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
+        pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
+                             urls=args.reward_urls, batch_size=B)
+    except (DataError, OSError, RuntimeError) as error:
+        fail(error)
+    transformer = pipe.transformer
+    add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
+    params = lora_parameters(transformer, "policy")
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.weight_decay,
+                                  eps=args.adam_eps)
+    negative = negative_embeddings(pipe, args.max_sequence_length)
+
+    # TRY NOT TO MODIFY: run directory, resume, logging
+    state = {"iteration": 0, "global_step": 0, "eval": [], "iteration_s": [], "peak_mem_gib": 0.0}
+    if args.resume_from:
+        state = load_checkpoint(args.resume_from, transformer, optimizer, device)
+        sampler.load_state_dict(state["sampler"])
+        run_dir = Path(args.resume_from).resolve().parent
+    else:
+        run_dir = Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
+    writer = None
+    if main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(run_dir, purge_step=state["iteration"] or None)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        print(f"run {run_dir}: {world_size} rank(s) x {args.prompts_per_rank} prompts x {G} images = {world_size * B} "
+              f"images per iteration, {B // args.train_batch_size} optimizer step(s) per rank, T={T}; "
+              f"{len(train_set)} train prompts, {len(eval_set)} eval prompts")
+    stop_requested = False
+
+    def request_stop(signum, frame):
+        global stop_requested
+        if stop_requested:
+            raise KeyboardInterrupt
+        stop_requested = True
+        print(f"signal {signum}: finishing this iteration, then saving a checkpoint (again to abort)", flush=True)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    def evaluate(iteration):
+        started = time.perf_counter()
+        prompts, targets = [r["prompt"] for r in eval_set], [r["target"] for r in eval_set]
+        embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
+        with use_adapter(transformer, "sampling"), autocast:
+            images = sample(pipe, embeds, pooled, [args.eval_seed + i for i in range(len(prompts))], args.eval_steps,
+                            args.eval_guidance, args.resolution, args.resolution, args.rollout_batch_size,
+                            negative_embeds=negative[0], negative_pooled=negative[1], progress=True)["images"]
+        scores, texts = scorer(images, targets)
+        state["eval"].append([iteration, float(np.mean(scores))])
+        writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
+        captions = [f"{s:.2f} {t}" for s, t in zip(scores, targets)]
+        writer.add_image("eval/images", captioned_grid(images[:16], captions[:16]), iteration, dataformats="HWC")
+        writer.add_text("eval/transcriptions", "\n\n".join(f"{t} -> {x!r}" for t, x in zip(targets, texts)), iteration)
+        return time.perf_counter() - started
+
+    if main_process and args.eval_every and not state["eval"]:
+        evaluate(0)
+    nonfinite_streak = 0
+    iterations = tqdm(range(state["iteration"], args.num_iterations), initial=state["iteration"],
+                      total=args.num_iterations, disable=not main_process, desc="iterations")
+    for iteration in iterations:
+        # ROLLOUT: whole prompt groups with the sampling adapter, deterministic ODE, CFG 1
+        timer, perf = time.perf_counter(), {}
+        indices = sampler.next_indices()
+        prompts, targets = [train_set[i]["prompt"] for i in indices], [train_set[i]["target"] for i in indices]
+        embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)  # (B,333,4096), (B,2048)
+        seeds = [(args.seed << 40) + (iteration << 20) + rank * B + j for j in range(B)]
+        with use_adapter(transformer, "sampling"), autocast:
+            rollout = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution, args.resolution,
+                             args.rollout_batch_size)
+        perf["rollout_s"], timer = time.perf_counter() - timer, time.perf_counter()
+        scores, _ = scorer(rollout["images"], targets)
+        rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device), world_size)  # (world * B,)
+        advantages = group_advantages(rewards, G, args.global_std, args.adv_clip)[rank * B : (rank + 1) * B]
+        perf["reward_s"], timer = time.perf_counter() - timer, time.perf_counter()
+
+        # ALGO LOGIC: one optimizer step per micro batch of whole groups, over T timesteps shared within the batch
+        x0 = rollout["latents"].to(device)  # (B,C,h,w) float32
+        grid = rollout["timesteps"][:-1].to(device)  # (num_steps - 1,): the near-zero last step is not trained
+        generator = torch.Generator(device).manual_seed((args.seed << 40) + (iteration << 20) + rank)
+        losses, decays, grad_norms, skipped_steps = {}, {}, [], 0
+        for start in range(0, B, args.train_batch_size):
+            batch = slice(start, start + args.train_batch_size)
+            mb_x0, mb_embeds, mb_pooled, mb_adv = x0[batch], embeds[batch], pooled[batch], advantages[batch]
+            n_noise = len(mb_x0) // G if args.shared_group_noise else len(mb_x0)
+            for k in torch.randperm(len(grid), generator=generator, device=device)[:T].tolist():
+                sigma = grid[k] / 1000
+                noise = torch.randn((n_noise, *mb_x0.shape[1:]), generator=generator, device=device)
+                noise = noise.repeat_interleave(len(mb_x0) // n_noise, 0)  # (b,C,h,w)
+                noisy, velocity_target = (1 - sigma) * mb_x0 + sigma * noise, noise - mb_x0
+                with torch.no_grad(), autocast:
+                    with use_adapter(transformer, "old"):
+                        v_old = predict_velocity(transformer, noisy, grid[k], mb_embeds, mb_pooled)
+                    with use_adapter(transformer, None):
+                        v_ref = predict_velocity(transformer, noisy, grid[k], mb_embeds, mb_pooled, args.kl_cfg, *negative)
+                with use_adapter(transformer, "policy"), autocast:
+                    v_theta = predict_velocity(transformer, noisy, grid[k], mb_embeds, mb_pooled)
+                loss, info = dgpo_loss(v_theta, v_old, v_ref, velocity_target, mb_adv, G, args.beta_dpo, args.clip_range,
+                                       args.ref_kl_coef)
+                (loss / T).backward()
+                for key, value in {"loss": loss.detach(), **info}.items():
+                    losses[key] = losses.get(key, 0.0) + value / T
+            all_mean_([p.grad for p in params], world_size)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+                state["global_step"] += 1
+                nonfinite_streak = 0
+            else:
+                nonfinite_streak, skipped_steps = nonfinite_streak + 1, skipped_steps + 1
+                print(f"iteration {iteration + 1}: non-finite gradient, optimizer step skipped", flush=True)
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm)
+            decays.update(update_snapshots(transformer, state["global_step"], args, "optimizer_step"))
+        decays.update(update_snapshots(transformer, state["global_step"], args, "iteration"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        perf["train_s"] = time.perf_counter() - timer
+        perf["iteration_s"] = perf["rollout_s"] + perf["reward_s"] + perf["train_s"]
+        perf["images_per_s"] = world_size * B / perf["iteration_s"]
+        state["iteration"] = iteration + 1
+        state["iteration_s"].append(perf["iteration_s"])
+
+        # TRY NOT TO MODIFY: logging, validation, checkpoints
+        steps_per_iteration = B // args.train_batch_size
+        if main_process:
+            groups = rewards.view(-1, G)
+            perf["peak_mem_gib"] = state["peak_mem_gib"] = max(state["peak_mem_gib"], peak_memory_gib(device))
+            logged = {"train/reward_mean": rewards.mean(), "train/reward_std": rewards.std(unbiased=False),
+                      "train/zero_std_group_frac": (groups.std(1) == 0).float().mean(),
+                      "charts/lr": optimizer.param_groups[0]["lr"],
+                      "charts/grad_norm": torch.stack(grad_norms).mean(), "charts/skipped_steps": skipped_steps,
+                      **{f"losses/{k}": v / steps_per_iteration for k, v in losses.items()},
+                      **{f"charts/decay_{k}": v for k, v in decays.items()}, **{f"perf/{k}": v for k, v in perf.items()}}
+            for tag, value in logged.items():
+                writer.add_scalar(tag, float(value), iteration + 1)
+            iterations.set_postfix(reward=f"{float(rewards.mean()):.3f}", loss=f"{float(logged['losses/loss']):.4f}",
+                                   s=f"{perf['iteration_s']:.1f}")
+            if args.eval_every and ((iteration + 1) % args.eval_every == 0 or iteration + 1 == args.num_iterations):
+                writer.add_scalar("perf/eval_s", evaluate(iteration + 1), iteration + 1)
+        stop = torch.tensor([stop_requested or nonfinite_streak >= args.max_nonfinite_steps], device=device)
+        if world_size > 1:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if main_process and (stop or (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations):
+            state.update(sampler=sampler.state_dict(), args=asdict(args))
+            save_checkpoint(run_dir, iteration + 1, transformer, optimizer, state, args.keep_last)
+        if stop:
+            break
+
+    if main_process:
+        history = state["eval"]
+        best = max(history, key=lambda e: e[1], default=[None, None])
+        summary = {"iterations": state["iteration"], "optimizer_steps": state["global_step"],
+                   "initial_eval_reward": history[0][1] if history else None,
+                   "final_eval_reward": history[-1][1] if history else None,
+                   "best_eval_reward": best[1], "best_eval_iteration": best[0],
+                   "mean_iteration_s": float(np.mean(state["iteration_s"])),
+                   "train_images_per_s": world_size * B / float(np.mean(state["iteration_s"])),
+                   "peak_mem_gib": {str(device): state["peak_mem_gib"]}}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        writer.close()
+        print(json.dumps(summary, indent=1))
+    if nonfinite_streak >= args.max_nonfinite_steps:
+        fail(f"{nonfinite_streak} consecutive non-finite gradients: stopped with a checkpoint in {run_dir}")

@@ -1,0 +1,128 @@
+"""dgpo.py's loss and EMA schedule, and the rule that dgpo.py stays a sibling copy of crd.py."""
+
+import difflib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import rollout
+from dgpo import dgpo_loss, ema_decay, update_snapshots
+
+ROOT = Path(__file__).resolve().parent.parent
+G = 4
+
+
+def reference_dgpo_loss(v_theta, v_old, v_ref, u, adv, group_size, beta=100.0, eps=0.01, kl_coef=0.02):
+    """SPEC §5 written out sample by sample in float64 (the value; stop-gradients do not change it)."""
+    v_theta, v_old, v_ref, u, adv = (x.double() for x in (v_theta, v_old, v_ref, u, adv))
+    n = len(adv)
+    d = [float(((u[i] - v_theta[i]) ** 2).mean()) for i in range(n)]
+    d_ref = [float(((u[i] - v_ref[i]) ** 2).mean()) for i in range(n)]
+    total = 0.0
+    for i in range(n):
+        g = range(i // group_size * group_size, (i // group_size + 1) * group_size)
+        s = beta / group_size * sum(float(adv[j]) * (d[j] - d_ref[j]) for j in g)
+        total += 1 / (1 + torch.exp(torch.tensor(-s)).item()) * float(adv[i]) * d[i] / n
+        total += kl_coef * float(((v_theta[i] - v_ref[i]) ** 2).mean()) / n
+    return total
+
+
+def random_inputs(n_groups=3, seed=0, shape=(2, 4, 4)):
+    g = torch.Generator().manual_seed(seed)
+    n = n_groups * G
+    u = torch.randn(n, *shape, generator=g)
+    v_ref = u + 0.5 * torch.randn(n, *shape, generator=g)
+    v_theta = v_ref + 0.02 * torch.randn(n, *shape, generator=g)  # near the reference, so the sigmoids are not saturated
+    v_old = v_theta + 0.05 * torch.randn(n, *shape, generator=g)
+    adv = torch.randn(n, generator=g)
+    return v_theta, v_old, v_ref, u, adv - adv.view(-1, G).mean(1).repeat_interleave(G)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_float64_reference(seed):
+    inputs = random_inputs(seed=seed)
+    loss, _ = dgpo_loss(*inputs, G)
+    assert loss.item() == pytest.approx(reference_dgpo_loss(*inputs, G), rel=1e-5, abs=1e-7)
+    loss, _ = dgpo_loss(*inputs, G, beta_dpo=7.0, clip_range=0.2, ref_kl_coef=0.5)
+    assert loss.item() == pytest.approx(reference_dgpo_loss(*inputs, G, 7.0, 0.2, 0.5), rel=1e-5, abs=1e-7)
+
+
+def test_gradient_is_the_papers_group_preference_gradient_up_to_scale():
+    v_theta, _, v_ref, u, adv = random_inputs(seed=3)
+    beta = 100.0
+    ours = v_theta.clone().requires_grad_()
+    dgpo_loss(ours, ours.detach(), v_ref, u, adv, G, beta_dpo=beta, ref_kl_coef=0.0)[0].backward()  # ratio 1: no clip
+    theirs = v_theta.double().clone().requires_grad_()
+    d = ((u.double() - theirs) ** 2).mean((1, 2, 3))
+    d_ref = ((u.double() - v_ref.double()) ** 2).mean((1, 2, 3))
+    score = (adv.double() * (d - d_ref)).view(-1, G).sum(1)  # S_g = sum_g A_i (d_i - d_ref_i)
+    (-torch.nn.functional.logsigmoid(-(beta / G) * score)).sum().backward()  # the paper's -log sigmoid(-beta' S_g)
+    scale = len(adv) * beta / G  # ours averages over the B images and leaves beta' out of the gradient
+    torch.testing.assert_close(ours.grad.double() * scale, theirs.grad, rtol=1e-4, atol=1e-10)
+    assert theirs.grad.abs().max() > 1e-6
+
+
+def test_clip_masks_exactly_the_specified_samples():
+    v_theta, _, v_ref, u, _ = random_inputs(n_groups=2, seed=4)
+    eps = 0.01
+    d = ((u - v_theta) ** 2).mean((1, 2, 3))
+    # choose the old error so that log ratio = d_old - d takes these values
+    log_ratio = torch.tensor([0.05, -0.05, 0.005, -0.005, 0.05, -0.05, 0.0, 0.02])
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 0.0])
+    clipped = torch.tensor([True, False, False, False, False, True, False, False])  # A>0 & rho>1+eps | A<=0 & rho<1-eps
+    v_old = u + (v_theta - u) * ((d + log_ratio) / d).sqrt().view(-1, 1, 1, 1)
+    theta = v_theta.clone().requires_grad_()
+    loss, info = dgpo_loss(theta, v_old, v_ref, u, adv, G, clip_range=eps, ref_kl_coef=0.0)
+    loss.backward()
+    trained = theta.grad.flatten(1).abs().amax(1) > 0
+    assert torch.equal(~trained[adv != 0], clipped[adv != 0])
+    assert info["clip_frac"].item() == pytest.approx(clipped.float().mean().item())
+
+
+def test_old_adapter_ema_per_step_and_sampling_switch(tiny_model_dir):
+    transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
+    rollout.add_lora_adapters(transformer, 4, 4)
+    assert [ema_decay(s, 0.001, 0.3) for s in (0, 100, 250, 300, 5000)] == pytest.approx([0, 0.1, 0.25, 0.3, 0.3])
+
+    class Args:
+        old_decay, switch_to_old_step = (0.001, 0.3), 200
+
+    policy, old, sampling = (rollout.lora_parameters(transformer, n) for n in ("policy", "old", "sampling"))
+    with torch.no_grad():
+        for p, o in zip(policy, old):
+            p.add_(1.0), o.sub_(1.0)
+    expected_old = [0.1 * o + 0.9 * p for o, p in zip(old, policy)]
+    assert update_snapshots(transformer, 100, Args, "iteration") == {}  # nothing at the end of an iteration
+    assert update_snapshots(transformer, 100, Args, "optimizer_step") == {"old": pytest.approx(0.1), "sampling": 0.0}
+    assert all(torch.allclose(o, e) for o, e in zip(old, expected_old))
+    assert all(torch.equal(s, p) for s, p in zip(sampling, policy))  # before the switch: rollouts use the policy
+    update_snapshots(transformer, 200, Args, "optimizer_step")
+    assert all(torch.equal(s, o) for s, o in zip(sampling, old))  # from then on: the old adapter
+    assert not all(torch.equal(s, p) for s, p in zip(sampling, policy))
+
+
+def algorithm_lines(path):
+    """Indices of the lines of a trainer that may differ between crd.py and dgpo.py: the module docstring, the
+    algorithm Args, the loss and EMA functions, and the loss call."""
+    lines = Path(path).read_text().splitlines()
+    allowed = set(range(next(i for i, l in enumerate(lines) if l.startswith("import "))))
+    start = next(i for i, l in enumerate(lines) if l.startswith("    # Algorithm: "))
+    allowed |= set(range(start, next(i for i, l in enumerate(lines) if l.startswith("# ALGO LOGIC: the loss"))))
+    start = next(i for i, l in enumerate(lines) if l.startswith("# ALGO LOGIC: the loss"))
+    allowed |= set(range(start, next(i for i, l in enumerate(lines) if l.startswith("def group_advantages"))))
+    call = next(i for i, l in enumerate(lines) if re.match(r"\s+loss, info = \w+_loss\(", l))
+    allowed |= set(range(call, next(i for i in range(call, len(lines)) if lines[i].rstrip().endswith(")")) + 1))
+    return lines, allowed
+
+
+def test_dgpo_differs_from_crd_only_in_docstring_algorithm_args_loss_and_ema():
+    crd_lines, crd_allowed = algorithm_lines(ROOT / "crd.py")
+    dgpo_lines, dgpo_allowed = algorithm_lines(ROOT / "dgpo.py")
+    drift = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, crd_lines, dgpo_lines, autojunk=False).get_opcodes():
+        if tag != "equal":
+            drift += [f"crd.py:{i + 1}: {crd_lines[i]}" for i in range(i1, i2) if i not in crd_allowed]
+            drift += [f"dgpo.py:{j + 1}: {dgpo_lines[j]}" for j in range(j1, j2) if j not in dgpo_allowed]
+    assert not drift, "crd.py and dgpo.py drifted apart outside the algorithm:\n" + "\n".join(drift)
