@@ -32,6 +32,26 @@ QWEN_PROMPT = (
     "<|vision_start|>{image_pads}<|vision_end|>{instruction}<|im_end|>\n<|im_start|>assistant\n"
 )
 _QUOTED = re.compile(r'"([^"]*)"')
+RANDOM_QWEN = "random-qwen2.5-vl-3b"  # Qwen2.5-VL-3B-Instruct's architecture with random weights (benchmarks)
+QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2.5-VL-3B-Instruct's architecture (its config.json; 3,754,622,976 parameters) and the tiny CPU-test model's.
+# pixels: the image processor's (min_pixels, max_pixels); vocab_size None: only the bytes and special tokens.
+_MROPE = dict(rope_type="default", rope_theta=1e6)  # mrope_section splits head_dim / 2 over (time, height, width)
+QWEN_3B = dict(
+    text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+              num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000, rms_norm_eps=1e-6,
+              rope_parameters={**_MROPE, "mrope_section": [16, 24, 24]}),
+    vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, patch_size=14,
+                spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                hidden_act="silu", tokens_per_second=2),
+    pixels=(56 * 56, 28 * 28 * 16384))
+TINY_QWEN = dict(  # images capped at 112x112 pixels (16 image tokens) so that CPU tests stay fast
+    text=dict(vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096,
+              rope_parameters={**_MROPE, "mrope_section": [2, 3, 3]}),
+    vision=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                fullatt_block_indexes=[1]),
+    pixels=(56 * 56, 112 * 112))
 
 
 def extract_target(prompt: str) -> str | None:
@@ -121,16 +141,19 @@ class QwenVLScorer:
 
         self.device, self.batch_size, self.max_new_tokens = torch.device(device), batch_size, max_new_tokens
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")  # left: generate appends
-            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype)
-        except (OSError, ValueError) as e:  # hub errors are OSErrors; a malformed repo id is a ValueError
-            raise RuntimeError(
-                f"could not load the Qwen2.5-VL reward model from {model_path!r}: {e}\n"
-                "If it is a gated or private hub model, log in with `hf auth login`; offline, download it and "
-                "pass its local directory as the model path."
-            ) from e
+        if model_path == RANDOM_QWEN:  # nothing to download: built directly on the device, never saved
+            self.tokenizer, self.image_processor, model = _random_qwen_vl(QWEN_3B, self.device, dtype)
+        else:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")  # generate appends
+                self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+                model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype)
+            except (OSError, ValueError) as e:  # hub errors are OSErrors; a malformed repo id is a ValueError
+                raise RuntimeError(
+                    f"could not load the Qwen2.5-VL reward model from {model_path!r}: {e}\n"
+                    "If it is a gated or private hub model, log in with `hf auth login`; offline, download it and "
+                    "pass its local directory as the model path."
+                ) from e
         self.model = model.to(self.device).eval()
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
@@ -222,6 +245,7 @@ def make_scorer(name: str, *, device: str = "cpu", model_path: str = "Qwen/Qwen2
 
     batch_size is the generation batch for qwen-vl and the number of concurrent requests for vllm;
     urls (e.g. ["http://localhost:8000"]), timeout (seconds per request) and max_retries are for vllm only.
+    qwen-vl with model_path=RANDOM_QWEN builds Qwen2.5-VL-3B with random weights on `device` (for benchmarks).
     """
     if name == "paddle":
         return PaddleScorer()
@@ -234,36 +258,48 @@ def make_scorer(name: str, *, device: str = "cpu", model_path: str = "Qwen/Qwen2
     raise ValueError(f"unknown scorer {name!r}; choose one of {SCORERS}")
 
 
-def build_tiny_qwen_vl(out_dir: str | Path) -> Path:
-    """Save a random tiny Qwen2.5-VL (same classes as the real one) with a byte-level tokenizer to out_dir.
+def _random_qwen_vl(spec: dict, device="cpu", dtype=None):
+    """Tokenizer, image processor and a random-weight Qwen2.5-VL of architecture `spec` (QWEN_3B or TINY_QWEN).
 
-    make_scorer("qwen-vl", model_path=out_dir) then loads it through the same from_pretrained calls as the real model.
-    The vocabulary is the 256 byte symbols (a byte-level BPE without merges) plus Qwen's special tokens; images are
-    capped at 112x112 pixels (16 image tokens) so that CPU tests stay fast.
+    The tokenizer is a byte-level BPE without merges (each byte is a token) plus Qwen's special tokens, padded with
+    unused tokens to the vocabulary size. The model is created directly on `device` in `dtype` (default: torch's):
+    no float32 copy on the CPU first, and "meta" counts parameters without memory.
     """
     import torch
     from tokenizers import pre_tokenizers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessorPil
 
-    out_dir = Path(out_dir)
-    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])  # adds <|endoftext|> (eos, pad)
-    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens += [f"<unused{i}>" for i in range((spec["text"]["vocab_size"] or 0) - len(tokens) - len(QWEN_SPECIALS) - 1)]
+    # adds <|endoftext|> (eos, pad); left padding, as generate appends
+    tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], padding_side="left")
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
     ids = tokenizer.convert_tokens_to_ids
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=ids("<|endoftext|>"),
-                eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
-    # mrope_section splits head_dim / 2 = 8 rotary frequencies over (time, height, width).
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[1])
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
-                              video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
-                              vision_end_token_id=ids("<|vision_end|>"))
+    pad, eos = ids("<|endoftext|>"), ids("<|im_end|>")
+    text = {**spec["text"], "vocab_size": len(tokenizer), "bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=spec["vision"], tie_word_embeddings=True,
+                              image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                              vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or default_dtype)
+    try:
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
+    min_pixels, max_pixels = spec["pixels"]
+    return tokenizer, Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels}), model
+
+
+def build_tiny_qwen_vl(out_dir: str | Path) -> Path:
+    """Save a random tiny Qwen2.5-VL (TINY_QWEN: same classes as the real one) with a byte-level tokenizer to out_dir.
+
+    make_scorer("qwen-vl", model_path=out_dir) then loads it through the same from_pretrained calls as the real model.
+    """
+    import torch
+
     torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = ids("<|im_end|>"), ids("<|endoftext|>")
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}).save_pretrained(out_dir)
-    return out_dir
+    for part in _random_qwen_vl(TINY_QWEN):
+        part.save_pretrained(out_dir)
+    return Path(out_dir)

@@ -1,4 +1,5 @@
-"""Tests of reward.py on CPU: the score, PP-OCR on rendered text, the tiny Qwen2.5-VL, the vLLM client, cheap rewards.
+"""Tests of reward.py on CPU: the score, PP-OCR on rendered text, the tiny (and meta full-size) Qwen2.5-VL, the vLLM
+client, cheap rewards.
 
 Run: python -m pytest tests/test_reward.py -q
 The vLLM client talks to a real HTTP server on 127.0.0.1 (tests/ocr_server.py) that answers with PP-OCR.
@@ -154,6 +155,23 @@ def test_qwen_vl_missing_model_is_clear(tmp_path):
     with pytest.raises(RuntimeError, match="no_such_model") as info:
         make_scorer("qwen-vl", model_path=str(missing))
     assert "hf auth login" in str(info.value) and "local directory" in str(info.value)
+
+
+def test_random_qwen_vl_3b_on_meta():
+    # the full-size architecture for GPU benchmarks; on "meta" it takes no memory (and cannot run)
+    scorer = make_scorer("qwen-vl", model_path=reward.RANDOM_QWEN, device="meta")
+    n_params = sum(p.numel() for p in scorer.model.parameters())  # lm_head is tied to the embeddings: counted once
+    assert n_params == 3_754_622_976 and round(n_params, -7) == 3.75e9  # Qwen2.5-VL-3B-Instruct's checkpoint
+    assert scorer.model.device.type == "meta"
+    assert len(scorer.tokenizer) == scorer.model.config.text_config.vocab_size == 151936
+    assert scorer.model.lm_head.weight is scorer.model.model.language_model.embed_tokens.weight
+    processor = scorer.image_processor
+    assert (processor.size.shortest_edge, processor.size.longest_edge, processor.patch_size, processor.merge_size) == (
+        3136, 12845056, 14, 2)
+    prompt = reward.QWEN_PROMPT.format(image_pads="<|image_pad|>" * 4, instruction=INSTRUCTION)
+    ids = scorer.tokenizer(prompt)["input_ids"]
+    assert ids.count(scorer.image_token_id) == 4 and scorer.tokenizer.decode(ids) == prompt
+    assert scorer.model.generation_config.eos_token_id == scorer.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
 # ---- vLLM client against a real HTTP server ---------------------------------------------------------------------------
