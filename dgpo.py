@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from data import DataError, GroupSampler, load_prompts
 from reward import SCORERS, make_scorer
-from rollout import (add_lora_adapters, ema_update_, encode_prompts, export_lora, load_lora_state_dict, load_pipeline,
+from rollout import (add_lora_adapters, compile_blocks, ema_update_, encode_prompts, export_lora, load_lora_state_dict, load_pipeline,
                      lora_parameters, lora_state_dict, negative_embeddings, predict_velocity, sample, use_adapter)
 
 
@@ -79,8 +79,12 @@ class Args:
     """LoRA rank"""
     lora_alpha: int = 64
     """LoRA alpha"""
-    rollout_batch_size: int = 24
-    """largest batch of images sampled in one forward (rollout and validation)"""
+    forward_batch_size: int = 24
+    """most images in one no-grad transformer forward (rollout, validation, old and reference passes)"""
+    policy_timesteps_per_forward: int = 1
+    """timesteps of a micro batch in one policy forward and backward (faster, more memory)"""
+    compile: bool = False
+    """torch.compile the transformer blocks (slower start, faster iterations)"""
 
     # Reward
     reward: str = "qwen-vl"
@@ -312,6 +316,8 @@ if __name__ == "__main__":
         fail(error)
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
+    if args.compile:
+        compile_blocks(transformer)
     params = lora_parameters(transformer, "policy")
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.weight_decay,
                                   eps=args.adam_eps)
@@ -351,7 +357,7 @@ if __name__ == "__main__":
         embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
         with use_adapter(transformer, "sampling"), autocast:
             images = sample(pipe, embeds, pooled, [args.eval_seed + i for i in range(len(prompts))], args.eval_steps,
-                            args.eval_guidance, args.resolution, args.resolution, args.rollout_batch_size,
+                            args.eval_guidance, args.resolution, args.resolution, args.forward_batch_size,
                             negative_embeds=negative[0], negative_pooled=negative[1], progress=True)["images"]
         scores, texts = scorer(images, targets)
         state["eval"].append([iteration, float(np.mean(scores))])
@@ -362,7 +368,7 @@ if __name__ == "__main__":
         return time.perf_counter() - started
 
     if main_process and args.eval_every and not state["eval"]:
-        evaluate(0)
+        writer.add_scalar("perf/eval_s", evaluate(0), 0)
     nonfinite_streak = 0
     iterations = tqdm(range(state["iteration"], args.num_iterations), initial=state["iteration"],
                       total=args.num_iterations, disable=not main_process, desc="iterations")
@@ -375,39 +381,50 @@ if __name__ == "__main__":
         seeds = [(args.seed << 40) + (iteration << 20) + rank * B + j for j in range(B)]
         with use_adapter(transformer, "sampling"), autocast:
             rollout = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution, args.resolution,
-                             args.rollout_batch_size)
+                             args.forward_batch_size)
         perf["rollout_s"], timer = time.perf_counter() - timer, time.perf_counter()
         scores, _ = scorer(rollout["images"], targets)
         rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device), world_size)  # (world * B,)
         advantages = group_advantages(rewards, G, args.global_std, args.adv_clip)[rank * B : (rank + 1) * B]
         perf["reward_s"], timer = time.perf_counter() - timer, time.perf_counter()
 
-        # ALGO LOGIC: one optimizer step per micro batch of whole groups, over T timesteps shared within the batch
+        # ALGO LOGIC: one optimizer step per micro batch of whole groups. Each group trains on T timesteps of the rollout
+        # grid in random order; its timesteps and noise are seeded by its global index, so any world size agrees.
         x0 = rollout["latents"].to(device)  # (B,C,h,w) float32
         grid = rollout["timesteps"][:-1].to(device)  # (num_steps - 1,): the near-zero last step is not trained
-        generator = torch.Generator(device).manual_seed((args.seed << 40) + (iteration << 20) + rank)
+        generator, b = torch.Generator(device), args.train_batch_size
         losses, decays, grad_norms, skipped_steps = {}, {}, [], 0
-        for start in range(0, B, args.train_batch_size):
-            batch = slice(start, start + args.train_batch_size)
-            mb_x0, mb_embeds, mb_pooled, mb_adv = x0[batch], embeds[batch], pooled[batch], advantages[batch]
-            n_noise = len(mb_x0) // G if args.shared_group_noise else len(mb_x0)
-            for k in torch.randperm(len(grid), generator=generator, device=device)[:T].tolist():
-                sigma = grid[k] / 1000
-                noise = torch.randn((n_noise, *mb_x0.shape[1:]), generator=generator, device=device)
-                noise = noise.repeat_interleave(len(mb_x0) // n_noise, 0)  # (b,C,h,w)
-                noisy, velocity_target = (1 - sigma) * mb_x0 + sigma * noise, noise - mb_x0
-                with torch.no_grad(), autocast:
-                    with use_adapter(transformer, "old"):
-                        v_old = predict_velocity(transformer, noisy, grid[k], mb_embeds, mb_pooled)
-                    with use_adapter(transformer, None):
-                        v_ref = predict_velocity(transformer, noisy, grid[k], mb_embeds, mb_pooled, args.kl_cfg, *negative)
+        for start in range(0, B, b):
+            timesteps, noise = [], []
+            for first in range(start, start + b, G):
+                generator.manual_seed((args.seed << 40) + (iteration << 20) + rank * B + first)
+                timesteps.append(grid[torch.randperm(len(grid), generator=generator, device=device)[:T]])  # (T,)
+                shape = (T, 1 if args.shared_group_noise else G, *x0.shape[1:])
+                noise.append(torch.randn(shape, generator=generator, device=device).expand(T, G, *x0.shape[1:]))
+            # rows are timestep-major, (T * b, ...): rows k*b .. k*b + b - 1 hold the micro batch at its k-th timesteps
+            timesteps = torch.stack(timesteps, 1).repeat_interleave(G, 1).flatten()  # (T*b,)
+            noise, clean = torch.cat(noise, 1).flatten(0, 1), x0[start : start + b].repeat(T, 1, 1, 1)  # (T*b,C,h,w)
+            sigma = (timesteps / 1000).view(-1, 1, 1, 1)
+            noisy, velocity_target = (1 - sigma) * clean + sigma * noise, noise - clean
+            mb_embeds, mb_pooled = embeds[start : start + b].repeat(T, 1, 1), pooled[start : start + b].repeat(T, 1)
+            mb_adv = advantages[start : start + b].repeat(T)  # (T*b,)
+            with torch.no_grad(), autocast:
+                with use_adapter(transformer, "old"):
+                    v_old = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled,
+                                             max_batch_size=args.forward_batch_size)
+                with use_adapter(transformer, None):
+                    v_ref = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled, args.kl_cfg, *negative,
+                                             max_batch_size=args.forward_batch_size)
+            rows = b * args.policy_timesteps_per_forward
+            for chunk in (slice(i, i + rows) for i in range(0, T * b, rows)):
                 with use_adapter(transformer, "policy"), autocast:
-                    v_theta = predict_velocity(transformer, noisy, grid[k], mb_embeds, mb_pooled)
-                loss, info = dgpo_loss(v_theta, v_old, v_ref, velocity_target, mb_adv, G, args.beta_dpo, args.clip_range,
-                                       args.ref_kl_coef)
-                (loss / T).backward()
+                    v_theta = predict_velocity(transformer, noisy[chunk], timesteps[chunk], mb_embeds[chunk], mb_pooled[chunk])
+                loss, info = dgpo_loss(v_theta, v_old[chunk], v_ref[chunk], velocity_target[chunk], mb_adv[chunk], G,
+                                       args.beta_dpo, args.clip_range, args.ref_kl_coef)
+                share = len(v_theta) / (T * b)  # the loss is the mean over the T timesteps
+                (loss * share).backward()
                 for key, value in {"loss": loss.detach(), **info}.items():
-                    losses[key] = losses.get(key, 0.0) + value / T
+                    losses[key] = losses.get(key, 0.0) + value * share
             all_mean_([p.grad for p in params], world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if torch.isfinite(grad_norm):

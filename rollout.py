@@ -258,6 +258,17 @@ def use_adapter(transformer, name: str | None):
             layer._active_adapter, layer._disable_adapters = active, disabled
 
 
+def compile_blocks(transformer) -> None:
+    """torch.compile each transformer block in place (regional compilation: blocks of one kind share compiled code).
+
+    Switching adapters changes flags that the compiled LoRA layers are guarded on, so each adapter setting compiles
+    once; the cache limit is raised to hold them all.
+    """
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for block in transformer.transformer_blocks:
+        block.compile()
+
+
 @torch.no_grad()
 def ema_update_(transformer, target: str, source: str, decay: float) -> None:
     """In place, over LoRA tensors only: target <- decay * target + (1 - decay) * source."""
@@ -276,14 +287,20 @@ def export_lora(transformer, name: str, out_dir: str | Path) -> None:
 
 
 def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, guidance_scale: float = 1.0,
-                     negative_embeds=None, negative_pooled=None) -> torch.Tensor:
+                     negative_embeds=None, negative_pooled=None, max_batch_size: int | None = None) -> torch.Tensor:
     """Flow-matching velocity (B, C, h, w) of latents (B, C, h, w) at timesteps (scalar or (B,), 0..1000 scale).
 
     With guidance_scale > 1, the unconditional and conditional branches run as one batch of 2B (diffusers' order)
-    and v = v_unc + s (v_cond - v_unc); negative embeddings of batch 1 are broadcast to B.
+    and v = v_unc + s (v_cond - v_unc); negative embeddings of batch 1 are broadcast to B. With max_batch_size,
+    no transformer call gets more than that many rows (a CFG image takes two).
     """
     batch, dtype = latents.shape[0], transformer.dtype
     t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
+    chunk = max(1, (max_batch_size or batch) // (2 if guidance_scale > 1 else 1))
+    if batch > chunk:
+        return torch.cat([predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk], prompt_embeds[i : i + chunk],
+                                           pooled[i : i + chunk], guidance_scale, negative_embeds, negative_pooled)
+                          for i in range(0, batch, chunk)])
     if guidance_scale > 1:
         if negative_embeds is None or negative_pooled is None:
             raise ValueError("guidance_scale > 1 needs negative_embeds and negative_pooled")

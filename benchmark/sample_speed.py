@@ -85,6 +85,9 @@ def main():
         with autocast():
             rollout.decode_latents(pipe, latents)
 
+    encode_s = median_seconds(lambda: rollout.encode_prompts(pipe, [p for p in prompts for _ in range(args.group_size)]),
+                              sync, args.repeats)
+    ema_s = median_seconds(lambda: rollout.ema_update_(transformer, "old", "policy", 0.5), sync, args.repeats)
     sample_s = median_seconds(lambda: run_sample(decode=True), sync, args.repeats)
     denoise_s = median_seconds(lambda: run_sample(decode=False), sync, args.repeats)
     decode_s = median_seconds(decode, sync, args.repeats)
@@ -97,7 +100,7 @@ def main():
         "model": args.model, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "images": batch, "height": args.height, "width": args.width, "num_steps": args.num_steps,
         "lora_rank": args.lora_rank, "repeats": args.repeats, "load_s": load_s,
-        "sample_s": sample_s, "images_per_s": batch / sample_s, "denoise_s": denoise_s, "decode_s": decode_s,
+        "encode_s": encode_s, "ema_s": ema_s, "sample_s": sample_s, "images_per_s": batch / sample_s, "denoise_s": denoise_s, "decode_s": decode_s,
         "forward_s": forward_s, "forward_tflop": flops / 1e12, "forward_tflop_per_s": flops / forward_s / 1e12,
         "denoise_tflop_per_s": args.num_steps * flops / denoise_s / 1e12,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
@@ -107,6 +110,8 @@ def main():
     rows = [("sample (denoise + decode)", f"{sample_s:.3f} s", f"{batch / sample_s:.2f} images/s"),
             ("  denoise", f"{denoise_s:.3f} s", f"{results['denoise_tflop_per_s']:.1f} TFLOP/s"),
             ("  VAE decode", f"{decode_s:.3f} s", ""),
+            ("prompt encoding", f"{encode_s * 1e3:.1f} ms", f"{args.num_prompts} distinct prompts"),
+            ("EMA update of one adapter", f"{ema_s * 1e3:.2f} ms", ""),
             (f"transformer forward x{batch}", f"{forward_s * 1e3:.1f} ms",
              f"{flops / 1e12:.2f} TFLOP, {results['forward_tflop_per_s']:.1f} TFLOP/s")]
     if cuda:
