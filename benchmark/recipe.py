@@ -80,8 +80,8 @@ if __name__ == "__main__":
             if "error" not in result:
                 result["mfu"] = 1536 * tflop_per_image / result["iteration_s"] / report["matmul_tflops"]
             print(name, json.dumps(result, indent=1), flush=True)
-    if cli.out:
-        Path(cli.out).write_text(json.dumps(report, indent=1))
+            if cli.out:  # after each variant, so a run cut short still leaves its numbers
+                Path(cli.out).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k not in VARIANTS}, indent=1))
     print(f"{'variant':10} {'s/iter':>7} {'img/s':>6} {'rollout':>7} {'reward':>6} {'train':>6} {'MFU':>5} {'peak GiB':>8} {'eval s':>6}")
     for name in cli.variants:
