@@ -322,12 +322,16 @@ def initial_latents(seeds: list[int], shape: tuple[int, int, int], device, dtype
 
 
 @torch.no_grad()
-def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
-    """Latents (B, C, h, w) -> uint8 images (B, H, W, 3), undoing the VAE's scaling and shift like the pipeline."""
+def decode_latents(pipe, latents: torch.Tensor, max_batch_size: int = 8) -> np.ndarray:
+    """Latents (B, C, h, w) -> uint8 images (B, H, W, 3), undoing the VAE's scaling and shift like the pipeline.
+
+    Decoded max_batch_size at a time: the VAE's full-resolution activations dominate the rollout's peak memory.
+    """
     vae = pipe.vae
     latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-    images = pipe.image_processor.postprocess(vae.decode(latents, return_dict=False)[0], output_type="np")
-    return (images * 255).round().astype(np.uint8)
+    images = [pipe.image_processor.postprocess(vae.decode(chunk, return_dict=False)[0], output_type="np")
+              for chunk in latents.split(max_batch_size)]
+    return (np.concatenate(images) * 255).round().astype(np.uint8)
 
 
 @torch.no_grad()

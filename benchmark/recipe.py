@@ -44,13 +44,15 @@ def matmul_tflops():
     return 20 * 2 * 8192**3 / median_seconds(lambda: [a @ b for _ in range(20)], torch.cuda.synchronize, 5) / 1e12
 
 
-def run_variant(name, iterations, workdir):
+def run_variant(name, iterations, workdir, log_dir):
     cmd = [sys.executable, str(ROOT / "crd.py"), *RECIPE, "--num-iterations", str(iterations), "--eval-every",
            str(iterations), "--output-dir", str(workdir), "--run-name", name, *VARIANTS[name]]
     started = time.perf_counter()
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    print(f"{name}: {' '.join(cmd[1:])} (log: {log_dir / f'{name}.log'})", flush=True)
+    with open(log_dir / f"{name}.log", "w") as log:
+        result = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if result.returncode:
-        return {"error": result.stderr[-3000:]}
+        return {"error": (log_dir / f"{name}.log").read_text()[-3000:]}
     events = EventAccumulator(str(workdir / name), size_guidance={"scalars": 0})
     events.Reload()
     perf = {tag: {s.step: s.value for s in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
@@ -68,7 +70,7 @@ if __name__ == "__main__":
     parser.add_argument("--variants", nargs="+", default=["baseline", "batched"], choices=list(VARIANTS))
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--components", type=Path, help="sample_speed.py's JSON: FLOPs of one forward, rollout parts")
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", type=Path, default=Path("recipe.json"), help="results (JSON); the crd.py logs go beside it")
     cli = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "matmul_tflops": matmul_tflops()}
     if cli.components:
@@ -76,12 +78,11 @@ if __name__ == "__main__":
     tflop_per_image = report["components"]["forward_tflop"] / report["components"]["images"] if cli.components else 2.44
     with tempfile.TemporaryDirectory() as workdir:
         for name in cli.variants:
-            result = report[name] = run_variant(name, cli.iterations, Path(workdir))
+            result = report[name] = run_variant(name, cli.iterations, Path(workdir), cli.out.parent)
             if "error" not in result:
                 result["mfu"] = 1536 * tflop_per_image / result["iteration_s"] / report["matmul_tflops"]
             print(name, json.dumps(result, indent=1), flush=True)
-            if cli.out:  # after each variant, so a run cut short still leaves its numbers
-                Path(cli.out).write_text(json.dumps(report, indent=1))
+            cli.out.write_text(json.dumps(report, indent=1))  # after each variant: a run cut short keeps its numbers
     print(json.dumps({k: v for k, v in report.items() if k not in VARIANTS}, indent=1))
     print(f"{'variant':10} {'s/iter':>7} {'img/s':>6} {'rollout':>7} {'reward':>6} {'train':>6} {'MFU':>5} {'peak GiB':>8} {'eval s':>6}")
     for name in cli.variants:
