@@ -296,7 +296,7 @@ def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, gui
     """
     batch, dtype = latents.shape[0], transformer.dtype
     t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
-    chunk = max(1, (max_batch_size or batch) // (2 if guidance_scale > 1 else 1))
+    chunk = max(1, max_batch_size // (2 if guidance_scale > 1 else 1)) if max_batch_size else batch
     if batch > chunk:
         return torch.cat([predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk], prompt_embeds[i : i + chunk],
                                            pooled[i : i + chunk], guidance_scale, negative_embeds, negative_pooled)

@@ -330,3 +330,25 @@ def test_hub_model_offline_has_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once at import
     with pytest.raises(RuntimeError, match="hf auth login"):
         rollout.load_pipeline("crd-tests/no-such-sd3-model")
+
+
+@pytest.mark.parametrize("guidance, max_batch_size, expected", [
+    (1.0, None, [5]), (4.5, None, [10]), (1.0, 2, [2, 2, 1]), (4.5, 4, [4, 4, 2]), (4.5, 1, [2] * 5)])
+def test_predict_velocity_transformer_calls(tiny_pipe, guidance, max_batch_size, expected):
+    """The rows each transformer call gets (a CFG image takes two): chunking must not split further than asked."""
+    embeds, pooled = rollout.encode_prompts(tiny_pipe, ["a", "b", "c", "d", "e"])
+    negative = rollout.negative_embeddings(tiny_pipe)
+    latents = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    rows = []
+    hook = tiny_pipe.transformer.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["hidden_states"].shape[0]),
+                                                            with_kwargs=True)
+    try:
+        with torch.no_grad():
+            chunked = rollout.predict_velocity(tiny_pipe.transformer, latents, 600.0, embeds, pooled, guidance, *negative,
+                                               max_batch_size=max_batch_size)
+            rows_chunked, rows[:] = list(rows), []
+            whole = rollout.predict_velocity(tiny_pipe.transformer, latents, 600.0, embeds, pooled, guidance, *negative)
+    finally:
+        hook.remove()
+    assert rows_chunked == expected and rows == [10 if guidance > 1 else 5]
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
