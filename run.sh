@@ -71,7 +71,7 @@ elif python3 -c "import vllm" 2>/dev/null; then
   CUDA_VISIBLE_DEVICES=$reward_gpus setsid vllm serve "$REWARD_MODEL" --host 127.0.0.1 --port "$REWARD_PORT" \
     --data-parallel-size "$NUM_GPUS_REWARD" --max-model-len 4096 --limit-mm-per-prompt '{"image": 1}' >"$log" 2>&1 &
   server=$!
-  trap 'kill -- -$server 2>/dev/null || true' EXIT
+  trap 'kill -- -$server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
   for _ in $(seq 600); do
     curl -sf "http://127.0.0.1:$REWARD_PORT/health" >/dev/null && break
     kill -0 "$server" 2>/dev/null || { echo "run.sh: error: the reward server exited; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
