@@ -258,17 +258,6 @@ def use_adapter(transformer, name: str | None):
             layer._active_adapter, layer._disable_adapters = active, disabled
 
 
-def compile_blocks(transformer) -> None:
-    """torch.compile each transformer block in place (regional compilation: blocks of one kind share compiled code).
-
-    Switching adapters changes flags that the compiled LoRA layers are guarded on, so each adapter setting compiles
-    once; the cache limit is raised to hold them all.
-    """
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    for block in transformer.transformer_blocks:
-        block.compile()
-
-
 @torch.no_grad()
 def ema_update_(transformer, target: str, source: str, decay: float) -> None:
     """In place, over LoRA tensors only: target <- decay * target + (1 - decay) * source."""

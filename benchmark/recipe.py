@@ -34,7 +34,6 @@ RECIPE = ["--model", rollout.RANDOM_MEDIUM, "--reward", "qwen-vl", "--reward-mod
 VARIANTS = {  # extra crd.py arguments
     "baseline": ["--forward-batch-size", "12", "--policy-timesteps-per-forward", "1"],  # about one timestep per call
     "batched": ["--forward-batch-size", "48", "--policy-timesteps-per-forward", "3"],
-    "compiled": ["--forward-batch-size", "48", "--policy-timesteps-per-forward", "3", "--compile"],
 }
 
 

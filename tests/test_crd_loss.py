@@ -136,3 +136,32 @@ def test_old_adapter_schedule(step, expected):
 @pytest.mark.parametrize("step, expected", [(0, 0.0), (74, 0.0), (75, 0.0), (76, 0.0075), (175, 0.75), (300, 0.999)])
 def test_sampling_adapter_schedule(step, expected):
     assert ema_decay(step, 75, 0.0, 0.0075, 0.999) == pytest.approx(expected)
+
+
+def test_gradients_reach_only_the_policy_lora(tiny_model_dir):
+    """The three velocities of crd.py's training step on the tiny transformer: only policy LoRA tensors get gradients."""
+    import rollout
+
+    pipe = rollout.load_pipeline(str(tiny_model_dir))
+    transformer = pipe.transformer
+    rollout.add_lora_adapters(transformer, 4, 8)
+    with torch.no_grad():  # make the adapters differ from the base and from each other
+        for name, scale in (("policy", 0.1), ("old", 0.05)):
+            for p in rollout.lora_parameters(transformer, name):
+                p.add_(scale * torch.randn_like(p))
+    embeds, pooled = rollout.encode_prompts(pipe, ['a "cat"'] * G)
+    negative = rollout.negative_embeddings(pipe)
+    noisy, target = torch.randn(G, 16, 8, 8), torch.randn(G, 16, 8, 8)
+    with torch.no_grad():
+        with rollout.use_adapter(transformer, "old"):
+            v_old = rollout.predict_velocity(transformer, noisy, 700.0, embeds, pooled)
+        with rollout.use_adapter(transformer, None):
+            v_ref = rollout.predict_velocity(transformer, noisy, 700.0, embeds, pooled, 4.5, *negative)
+    with rollout.use_adapter(transformer, "policy"):
+        v_theta = rollout.predict_velocity(transformer, noisy, 700.0, embeds, pooled)
+    crd_loss(v_theta, v_old, v_ref, target, torch.tensor([2.0, -1.0, 0.5, -1.5]), G)[0].backward()
+    policy = {id(p) for p in rollout.lora_parameters(transformer, "policy")}
+    with_grad = [n for n, p in transformer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert with_grad and all(id(dict(transformer.named_parameters())[n]) in policy for n in with_grad)
+    assert len(with_grad) >= len(policy) - 2  # all but the LoRA pair whose output SD3's last block discards
+    assert not any(p.requires_grad for n, p in transformer.named_parameters() if id(p) not in policy)
