@@ -478,7 +478,10 @@ if __name__ == "__main__":
                    "best_eval_reward": best[1], "best_eval_iteration": best[0],
                    "mean_iteration_s": float(np.mean(state["iteration_s"])),
                    "train_images_per_s": world_size * B / float(np.mean(state["iteration_s"])),
-                   "peak_mem_gib": {str(device): state["peak_mem_gib"]}}
+                   "peak_mem_gib": {f"actor {device}": state["peak_mem_gib"]}}
+        reward_device = torch.device(args.reward_device or device)
+        if reward_device.type == "cuda" and reward_device != device:  # the in-process scorer on its own GPU
+            summary["peak_mem_gib"][f"reward {reward_device}"] = peak_memory_gib(reward_device)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         writer.close()
         print(json.dumps(summary, indent=1))

@@ -30,7 +30,7 @@ rows = [("Initial held-out OCR reward", lambda s: fmt(s["initial_eval_reward"]))
         ("Best observed held-out OCR reward", lambda s: f"{fmt(s['best_eval_reward'])} (iteration {s['best_eval_iteration']})"),
         ("Mean training iteration, excluding evaluation", lambda s: f"{s['mean_iteration_s']:.1f} s"),
         ("Training images per second, excluding evaluation", lambda s: f"{s['train_images_per_s']:.3f}"),
-        ("Actor GPU memory peak", lambda s: ", ".join(f"{v:.1f} GiB" for v in s["peak_mem_gib"].values())),
+        ("Memory peak per device", lambda s: ", ".join(f"{k}: {v:.1f} GiB" for k, v in s["peak_mem_gib"].items())),
         ("Iterations / optimizer updates", lambda s: f"{s['iterations']} / {s['optimizer_steps']}")]
 table = [("Metric", *[name for name, _ in runs])] + [(label, *[get(s) for _, s in runs]) for label, get in rows]
 widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]

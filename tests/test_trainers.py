@@ -73,7 +73,7 @@ def test_smoke_run_writes_logs_checkpoints_and_summary(three_iterations):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["iterations"] == 3 and summary["optimizer_steps"] == 6  # 2 groups per iteration, a step each
     assert 0 < summary["initial_eval_reward"] < 1 and summary["best_eval_iteration"] in (0, 1, 2, 3)
-    assert summary["train_images_per_s"] > 0 and summary["peak_mem_gib"]["cpu"] > 0
+    assert summary["train_images_per_s"] > 0 and summary["peak_mem_gib"]["actor cpu"] > 0
     state = json.loads((run / "global_step_3" / "trainer_state.json").read_text())
     assert state["iteration"] == 3 and state["args"]["num_iterations"] == 3 and state["sampler"]["position"] == 6
 
