@@ -84,7 +84,9 @@ else
   reward_args=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 
-cmd=(torchrun --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT" "$algo.py"
+launcher=(torchrun)
+command -v torchrun >/dev/null || launcher=(python3 -m torch.distributed.run)
+cmd=("${launcher[@]}" --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT" "$algo.py"
      --model "$MODEL" --train-data "$TRAIN_DATA" --eval-data "$EVAL_DATA" --group-size "$GROUP_SIZE"
      --resolution "$IMAGE_RESOLUTION" --num-iterations "$TOTAL_TRAINING_STEPS" --output-dir "$OUTPUT_DIR"
      "${reward_args[@]}" "$@")
