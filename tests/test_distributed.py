@@ -146,3 +146,15 @@ def test_resume_under_torchrun_continues_exactly(two_processes, tiny_model_dir, 
     for tag in ("train/reward_mean", "losses/loss", "charts/grad_norm"):
         logged, straight = scalars(resumed, tag), scalars(two_processes, tag)
         assert logged == {step: straight[step] for step in logged} and max(logged) == 2, tag  # as test_trainers
+
+
+def test_resume_at_another_world_size(two_processes, tiny_model_dir, tmp_path):
+    """A 2-process checkpoint resumed by 1 process holding both groups continues the same training."""
+    train(tiny_model_dir, tmp_path, "--run-name", "run", "--num-iterations", 1, "--prompts-per-rank", 1)
+    resumed = tmp_path / "run"
+    train(tiny_model_dir, tmp_path, "--num-iterations", 2, "--prompts-per-rank", 2, "--train-batch-size", 8,
+          "--resume-from", resumed / "global_step_1", nproc=1)
+    ours, theirs, before = adapters(resumed, 2), adapters(two_processes, 2), adapters(two_processes, 1)
+    gap, change = norm(ours[k] - theirs[k] for k in ours), norm(theirs[k] - before[k] for k in theirs)
+    assert gap < 0.05 * change, (gap, change)
+    assert scalars(resumed, "train/reward_mean")[2] == pytest.approx(scalars(two_processes, "train/reward_mean")[2], rel=1e-4)
