@@ -26,10 +26,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402
+from reward import RANDOM_QWEN  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
 
 PROMPTS = ROOT / "tests" / "data" / "ocr" / "train.txt"
-RECIPE = ["--model", rollout.RANDOM_MEDIUM, "--reward", "qwen-vl", "--reward-model", "random-qwen2.5-vl-3b",
+RECIPE = ["--model", rollout.RANDOM_MEDIUM, "--reward", "qwen-vl", "--reward-model", RANDOM_QWEN,
           "--train-data", str(PROMPTS), "--eval-data", str(PROMPTS), "--save-every", "1000"]
 VARIANTS = {  # extra crd.py arguments
     "baseline": ["--forward-batch-size", "12", "--policy-timesteps-per-forward", "1"],  # about one timestep per call

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
@@ -64,12 +64,6 @@ def train(tiny_model_dir, out_dir, *extra, nproc=2, script="crd.py", script_args
     if process.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({process.returncode}):\n{stderr[-3000:]}")
     return stdout
-
-
-def scalars(run_dir, tag):
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return {s.step: s.value for s in events.Scalars(tag)}
 
 
 def adapters(run_dir, step):

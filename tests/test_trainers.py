@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import rollout
+from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
@@ -36,12 +37,6 @@ def train(script, tiny_model_dir, out_dir, *extra, check=True, timeout=600):
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     return result
-
-
-def scalars(run_dir, tag):
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return {s.step: s.value for s in events.Scalars(tag)}
 
 
 @pytest.fixture(scope="module")
