@@ -208,6 +208,39 @@ def test_gradients_reach_only_the_policy(lora_pipe):
     assert all(p.grad is None for n, p in transformer.named_parameters() if ".policy." not in n)
 
 
+def test_compiled_blocks_match_eager_for_every_adapter_and_the_gradient(lora_pipe):
+    """compile_blocks: the same velocities under every adapter setting and batch size, the same policy gradient,
+    also with gradient checkpointing (which recomputes the compiled blocks in the backward)."""
+    transformer = lora_pipe.transformer
+    for seed, name in enumerate(("policy", "old", "sampling")):
+        perturb(transformer, name, seed)
+    x3 = rollout.initial_latents([5, 6, 7], (16, H // 8, W // 8), "cpu", torch.float32)
+
+    def outputs():
+        with torch.no_grad():
+            out = {name: velocity(lora_pipe, name) for name in ("policy", "old", "sampling", None)}
+            with rollout.use_adapter(transformer, "old"):
+                out["old, 3 images"] = rollout.predict_velocity(transformer, x3, 300.0, *embed(lora_pipe, 3))
+        params = rollout.lora_parameters(transformer, "policy")
+        grads = torch.autograd.grad(velocity(lora_pipe, "policy").square().mean(), params, allow_unused=True)
+        out["gradient"] = torch.cat([g.flatten() for g in grads if g is not None])
+        return out
+
+    eager = outputs()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        rollout.compile_blocks(transformer)
+        compiled = outputs()
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the blocks did run compiled
+        transformer.enable_gradient_checkpointing()
+        checkpointed = outputs()["gradient"]
+    finally:
+        torch._dynamo.reset()
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
+    torch.testing.assert_close(checkpointed, eager["gradient"], rtol=1e-4, atol=1e-5)
+
+
 def test_lora_tensors_stay_float32_on_bf16_base(tiny_model_dir):
     transformer = rollout.load_pipeline(str(tiny_model_dir), dtype=torch.bfloat16).transformer
     rollout.add_lora_adapters(transformer, rank=4, alpha=8)

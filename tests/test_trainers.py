@@ -212,6 +212,19 @@ def test_batched_timesteps_give_the_plain_paths_result(three_iteration_runs, tin
         assert logged == pytest.approx({k: expected[k] for k in logged}, rel=1e-4), tag
 
 
+def test_gradient_checkpointing_gives_the_plain_paths_result(three_iteration_runs, tiny_model_dir, tmp_path):
+    """--gradient-checkpointing (the policy backward recomputes each block's activations) changes no number."""
+    train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 0, "--save-every", 1,
+          "--gradient-checkpointing")
+    plain = load_file(three_iteration_runs["crd.py"] / "global_step_2" / "adapters.safetensors")
+    checkpointed = load_file(tmp_path / "run" / "global_step_2" / "adapters.safetensors")
+    for key in plain:
+        torch.testing.assert_close(checkpointed[key], plain[key], rtol=1e-3, atol=1e-4)
+    for tag in ("losses/loss", "charts/grad_norm", "train/reward_mean"):
+        logged, expected = scalars(tmp_path / "run", tag), scalars(three_iteration_runs["crd.py"], tag)
+        assert logged == pytest.approx({k: expected[k] for k in logged}, rel=1e-4), tag
+
+
 def test_readme_main_command_runs(tiny_model_dir, tmp_path):
     """README's command for the embedded default, as written there (plus an output directory): logs, checkpoint, LoRA."""
     readme = (ROOT / "README.md").read_text()
