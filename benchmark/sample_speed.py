@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--num-steps", type=int, default=10)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="rollout.compile_blocks (regional torch.compile)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results here as JSON")
     args = parser.parse_args()
 
@@ -59,6 +60,8 @@ def main():
     pipe = rollout.load_pipeline(args.model, device, torch.bfloat16 if cuda else torch.float32)
     transformer = pipe.transformer
     rollout.add_lora_adapters(transformer, rank=args.lora_rank, alpha=2 * args.lora_rank)
+    if args.compile:
+        rollout.compile_blocks(transformer)
     sync()
     load_s = time.perf_counter() - start
     prompts = [f'a neon sign that says "benchmark {i}"' for i in range(args.num_prompts)]
@@ -73,7 +76,9 @@ def main():
             return rollout.sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.height, args.width,
                                   max_batch_size=batch, decode=decode)
 
+    start = time.perf_counter()
     latents = run_sample(decode=False)["latents"]  # (B, 16, H/8, W/8)
+    first_sample_s = time.perf_counter() - start  # with --compile, mostly compiling
     timestep = torch.full((batch,), 500.0, device=device)
 
     @torch.no_grad()
@@ -92,14 +97,15 @@ def main():
     denoise_s = median_seconds(lambda: run_sample(decode=False), sync, args.repeats)
     decode_s = median_seconds(decode, sync, args.repeats)
     forward_s = median_seconds(forward, sync, args.repeats)
-    with FlopCounterMode(display=False) as counter:
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:  # counts eager ops
         forward()
     flops = counter.get_total_flops()  # one forward of the whole batch
 
     results = {
         "model": args.model, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "images": batch, "height": args.height, "width": args.width, "num_steps": args.num_steps,
-        "lora_rank": args.lora_rank, "repeats": args.repeats, "load_s": load_s,
+        "lora_rank": args.lora_rank, "compile": args.compile, "repeats": args.repeats, "load_s": load_s,
+        "first_sample_s": first_sample_s,
         "encode_s": encode_s, "ema_s": ema_s, "sample_s": sample_s, "images_per_s": batch / sample_s, "denoise_s": denoise_s, "decode_s": decode_s,
         "forward_s": forward_s, "forward_tflop": flops / 1e12, "forward_tflop_per_s": flops / forward_s / 1e12,
         "denoise_tflop_per_s": args.num_steps * flops / denoise_s / 1e12,
