@@ -40,7 +40,7 @@ def training_step(transformer, batch, negative, group_size, timesteps_per_forwar
         loss, _ = crd_loss(v_theta, v_old[chunk], v_ref[chunk], target[chunk], advantages[chunk], group_size)
         share = len(v_theta) / len(noisy)
         (loss * share).backward()
-        total += float(loss) * share
+        total += float(loss.detach()) * share
     grad = torch.cat([p.grad.flatten() for p in params])
     for p in params:
         p.grad = None
