@@ -199,30 +199,29 @@ def test_compare_prints_the_anchor_table_side_by_side(three_iteration_runs):
     assert missing.returncode != 0 and "runs/none/summary.json not found" in missing.stderr
 
 
+def assert_trains_like(run, plain_run):
+    """`run`'s first 2 iterations give `plain_run`'s adapters, losses, gradient norms and rewards (to float noise)."""
+    plain = load_file(plain_run / "global_step_2" / "adapters.safetensors")
+    trained = load_file(run / "global_step_2" / "adapters.safetensors")
+    for key in plain:
+        torch.testing.assert_close(trained[key], plain[key], rtol=1e-3, atol=1e-4)  # Adam magnifies float noise
+    for tag in ("losses/loss", "charts/grad_norm", "train/reward_mean"):
+        logged, expected = scalars(run, tag), scalars(plain_run, tag)
+        assert logged == pytest.approx({k: expected[k] for k in logged}, rel=1e-4), tag
+
+
 def test_batched_timesteps_give_the_plain_paths_result(three_iteration_runs, tiny_model_dir, tmp_path):
     """All T timesteps in one policy forward, reference passes in big chunks: the same training as one at a time."""
     train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 0, "--save-every", 1,
           "--policy-timesteps-per-forward", 9, "--forward-batch-size", 64)
-    plain = load_file(three_iteration_runs["crd.py"] / "global_step_2" / "adapters.safetensors")
-    batched = load_file(tmp_path / "run" / "global_step_2" / "adapters.safetensors")
-    for key in plain:
-        torch.testing.assert_close(batched[key], plain[key], rtol=1e-3, atol=1e-4)  # Adam magnifies float noise
-    for tag in ("losses/loss", "charts/grad_norm", "train/reward_mean"):
-        logged, expected = scalars(tmp_path / "run", tag), scalars(three_iteration_runs["crd.py"], tag)
-        assert logged == pytest.approx({k: expected[k] for k in logged}, rel=1e-4), tag
+    assert_trains_like(tmp_path / "run", three_iteration_runs["crd.py"])
 
 
 def test_gradient_checkpointing_gives_the_plain_paths_result(three_iteration_runs, tiny_model_dir, tmp_path):
     """--gradient-checkpointing (the policy backward recomputes each block's activations) changes no number."""
     train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 0, "--save-every", 1,
           "--gradient-checkpointing")
-    plain = load_file(three_iteration_runs["crd.py"] / "global_step_2" / "adapters.safetensors")
-    checkpointed = load_file(tmp_path / "run" / "global_step_2" / "adapters.safetensors")
-    for key in plain:
-        torch.testing.assert_close(checkpointed[key], plain[key], rtol=1e-3, atol=1e-4)
-    for tag in ("losses/loss", "charts/grad_norm", "train/reward_mean"):
-        logged, expected = scalars(tmp_path / "run", tag), scalars(three_iteration_runs["crd.py"], tag)
-        assert logged == pytest.approx({k: expected[k] for k in logged}, rel=1e-4), tag
+    assert_trains_like(tmp_path / "run", three_iteration_runs["crd.py"])
 
 
 def test_readme_main_command_runs(tiny_model_dir, tmp_path):
