@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -39,9 +40,9 @@ from tqdm import tqdm
 
 from data import DataError, GroupSampler, load_prompts
 from reward import SCORERS, make_scorer
-from rollout import (add_lora_adapters, compile_blocks, ema_update_, encode_prompts, export_lora, load_lora_state_dict,
-                     load_pipeline, lora_parameters, lora_state_dict, negative_embeddings, predict_velocity, sample,
-                     use_adapter)
+from rollout import (add_lora_adapters, compile_blocks, compile_decoder, ema_update_, encode_prompts, export_lora,
+                     load_lora_state_dict, load_pipeline, lora_parameters, lora_state_dict, negative_embeddings,
+                     predict_velocity, sample, use_adapter)
 
 
 @dataclass
@@ -245,6 +246,12 @@ def gather(tensor, world_size):
     return out
 
 
+def timed(fn, *args):
+    """fn(*args) and the seconds it took."""
+    started = time.perf_counter()
+    return fn(*args), time.perf_counter() - started
+
+
 def captioned_grid(images, captions, columns=4):
     """(N,H,W,3) uint8 images -> one grid image with a caption strip under each image."""
     n, height, width, _ = images.shape
@@ -321,12 +328,14 @@ if __name__ == "__main__":
                              urls=args.reward_urls, batch_size=B)
     except (DataError, OSError, RuntimeError) as error:
         fail(error)
+    scoring = ThreadPoolExecutor(1)  # every scorer call runs in this thread: CUDA graphs replay where they were recorded
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if args.compile and device.type == "cuda":
         compile_blocks(transformer)
+        compile_decoder(pipe.vae)
     params = lora_parameters(transformer, "policy")
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.weight_decay,
                                   eps=args.adam_eps)
@@ -368,7 +377,7 @@ if __name__ == "__main__":
             images = sample(pipe, embeds, pooled, [args.eval_seed + i for i in range(len(prompts))], args.eval_steps,
                             args.eval_guidance, args.resolution, args.resolution, args.forward_batch_size,
                             negative_embeds=negative[0], negative_pooled=negative[1], progress=True)["images"]
-        scores, texts = scorer(images, targets)
+        scores, texts = scoring.submit(scorer, images, targets).result()
         state["eval"].append([iteration, float(np.mean(scores))])
         writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
         captions = [f"{s:.2f} {t}" for s, t in zip(scores, targets)]
@@ -392,19 +401,17 @@ if __name__ == "__main__":
             rollout = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution, args.resolution,
                              args.forward_batch_size)
         perf["rollout_s"], timer = time.perf_counter() - timer, time.perf_counter()
-        scores, _ = scorer(rollout["images"], targets)
-        rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device), world_size)  # (world * B,)
-        advantages = group_advantages(rewards, G, args.global_std, args.adv_clip)[rank * B : (rank + 1) * B]
-        perf["reward_s"], timer = time.perf_counter() - timer, time.perf_counter()
+        pending_scores = scoring.submit(timed, scorer, rollout["images"], targets)  # beside the base model's passes
 
         # ALGO LOGIC: one optimizer step per micro batch of whole groups. Each group trains on T timesteps of the rollout
         # grid in random order; its timesteps and noise are seeded by its global index, so any world size agrees.
+        # The base model's velocities need no reward, so every micro batch's are computed while the scorer reads.
         x0 = rollout["latents"].to(device)  # (B,C,h,w) float32
         grid = rollout["timesteps"][:-1].to(device)  # (num_steps - 1,): the near-zero last step is not trained
         generator, b = torch.Generator(device), args.train_batch_size
-        losses, decays, grad_norms, skipped_steps = {}, {}, [], 0
+        micro_batches = []
         for start in range(0, B, b):
-            timesteps, noise = [], []
+            groups, timesteps, noise = slice(start, start + b), [], []
             for first in range(start, start + b, G):
                 generator.manual_seed((args.seed << 40) + (iteration << 20) + rank * B + first)
                 timesteps.append(grid[torch.randperm(len(grid), generator=generator, device=device)[:T]])  # (T,)
@@ -412,18 +419,28 @@ if __name__ == "__main__":
                 noise.append(torch.randn(shape, generator=generator, device=device).expand(T, G, *x0.shape[1:]))
             # rows are timestep-major, (T * b, ...): rows k*b .. k*b + b - 1 hold the micro batch at its k-th timesteps
             timesteps = torch.stack(timesteps, 1).repeat_interleave(G, 1).flatten()  # (T*b,)
-            noise, clean = torch.cat(noise, 1).flatten(0, 1), x0[start : start + b].repeat(T, 1, 1, 1)  # (T*b,C,h,w)
+            noise, clean = torch.cat(noise, 1).flatten(0, 1), x0[groups].repeat(T, 1, 1, 1)  # (T*b,C,h,w)
             sigma = (timesteps / 1000).view(-1, 1, 1, 1)
-            noisy, velocity_target = (1 - sigma) * clean + sigma * noise, noise - clean
-            mb_embeds, mb_pooled = embeds[start : start + b].repeat(T, 1, 1), pooled[start : start + b].repeat(T, 1)
-            mb_adv = advantages[start : start + b].repeat(T)  # (T*b,)
-            with torch.no_grad(), autocast:
-                with use_adapter(transformer, "old"):
-                    v_old = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled,
-                                             max_batch_size=args.forward_batch_size)
-                with use_adapter(transformer, None):
-                    v_ref = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled, args.kl_cfg, *negative,
-                                             max_batch_size=args.forward_batch_size)
+            noisy = (1 - sigma) * clean + sigma * noise
+            mb_embeds, mb_pooled = embeds[groups].repeat(T, 1, 1), pooled[groups].repeat(T, 1)  # (T*b,333,4096), (T*b,2048)
+            with torch.no_grad(), autocast, use_adapter(transformer, None):
+                v_ref = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled, args.kl_cfg, *negative,
+                                         max_batch_size=args.forward_batch_size)
+            micro_batches.append((groups, timesteps, noisy, noise - clean, v_ref))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the base passes are done: from here on, training waits
+        waiting = time.perf_counter()
+        (scores, _), perf["reward_s"] = pending_scores.result()
+        rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device), world_size)  # (world * B,)
+        advantages = group_advantages(rewards, G, args.global_std, args.adv_clip)[rank * B : (rank + 1) * B]
+        perf["reward_wait_s"] = time.perf_counter() - waiting
+        losses, decays, grad_norms, skipped_steps = {}, {}, [], 0
+        for groups, timesteps, noisy, velocity_target, v_ref in micro_batches:
+            mb_embeds, mb_pooled = embeds[groups].repeat(T, 1, 1), pooled[groups].repeat(T, 1)  # (T*b,333,4096), (T*b,2048)
+            mb_adv = advantages[groups].repeat(T)  # (T*b,)
+            with torch.no_grad(), autocast, use_adapter(transformer, "old"):
+                v_old = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled,
+                                         max_batch_size=args.forward_batch_size)
             rows = b * args.policy_timesteps_per_forward
             for chunk in (slice(i, i + rows) for i in range(0, T * b, rows)):
                 with use_adapter(transformer, "policy"), autocast:
@@ -450,8 +467,8 @@ if __name__ == "__main__":
         all_mean_(list(losses.values()), world_size)  # log the losses of every rank's groups
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        perf["train_s"] = time.perf_counter() - timer
-        perf["iteration_s"] = perf["rollout_s"] + perf["reward_s"] + perf["train_s"]
+        perf["train_s"] = time.perf_counter() - timer - perf["reward_wait_s"]
+        perf["iteration_s"] = perf["rollout_s"] + perf["reward_wait_s"] + perf["train_s"]
         perf["images_per_s"] = world_size * B / perf["iteration_s"]
         state["iteration"] = iteration + 1
         state["iteration_s"].append(perf["iteration_s"])

@@ -155,18 +155,24 @@ class QwenVLScorer:
                     "pass its local directory as the model path."
                 ) from e
         self.model = model.to(self.device).eval()
+        # A high-priority stream of its own: the trainers call the scorer from a thread while their passes fill the GPU
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
-    def transcribe(self, images: list[Image.Image]) -> list[str]:
-        import torch
-
+    def model_inputs(self, images: list[Image.Image]) -> dict:
+        """The chat prompts (left-padded) and pixel values of a batch of images, on the model's device."""
         vision = self.image_processor(images=images, return_tensors="pt")
         n_pads = vision["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2  # one pad per merged patch
         prompts = [QWEN_PROMPT.format(image_pads="<|image_pad|>" * n, instruction=INSTRUCTION) for n in n_pads.tolist()]
         inputs = self.tokenizer(prompts, padding=True, return_tensors="pt")
         # 1 marks image tokens: without it the model silently falls back to 1-D positions for the image (no M-RoPE).
         inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.image_token_id).int()
-        inputs = {k: v.to(self.device) for k, v in {**inputs, **vision}.items()}
+        return {k: v.to(self.device) for k, v in {**inputs, **vision}.items()}
+
+    def transcribe(self, images: list[Image.Image]) -> list[str]:
+        import torch
+
+        inputs = self.model_inputs(images)
         with torch.inference_mode():
             out = self.model.generate(
                 **inputs, do_sample=False, max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id
@@ -174,9 +180,13 @@ class QwenVLScorer:
         return self.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
     def __call__(self, images, targets):
+        import torch
+
         images = _to_pil(images)
         chunks = [images[i : i + self.batch_size] for i in range(0, len(images), self.batch_size)]
-        return _score_texts([text.strip() for chunk in chunks for text in self.transcribe(chunk)], targets)
+        with torch.cuda.stream(self.stream):  # a no-op for None (CPU)
+            texts = [text.strip() for chunk in chunks for text in self.transcribe(chunk)]
+        return _score_texts(texts, targets)
 
 
 class VLLMScorer:

@@ -284,6 +284,11 @@ def compile_blocks(transformer) -> None:
         block.compile(dynamic=True)
 
 
+def compile_decoder(vae) -> None:
+    """torch.compile the VAE decoder: its group norms and activations over full-resolution maps are memory-bound eagerly."""
+    vae.decoder.compile()
+
+
 # ---- sampling --------------------------------------------------------------------------------------------------------
 
 

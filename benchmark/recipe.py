@@ -11,7 +11,8 @@ on each actor GPU, or with --reward-gpu on the GPU after the actors; 4 prompts x
 CFG 4.5), then reads its TensorBoard perf scalars. FLOPs of one transformer forward come from torch's FLOP counter;
 MFU is the recipe's 1536 image-forwards per iteration (24 x 10 rollout + 24 x 9 x 6 training) over the measured
 bf16 matmul rate. The finer rollout breakdown (encode, sampling, decode, EMA) and the FLOP count come from
-benchmark/sample_speed.py (pass its JSON with --components).
+benchmark/sample_speed.py (pass its JSON with --components). "reward" is the scorer's own time, spent in a thread
+beside the base model's passes; "waited" is the part of it training waited for (in s / iteration).
 """
 
 import argparse
@@ -41,6 +42,7 @@ VARIANTS = {  # extra crd.py arguments
     "batched": ["--forward-batch-size", "48", "--policy-timesteps-per-forward", "3", "--no-compile"],
     "compiled": ["--forward-batch-size", "48", "--policy-timesteps-per-forward", "3", "--compile"],
     "compiled-1t": ["--forward-batch-size", "48", "--policy-timesteps-per-forward", "1", "--compile"],
+    "compiled-2t": ["--forward-batch-size", "48", "--policy-timesteps-per-forward", "2", "--compile"],
     "compiled-ckpt": ["--forward-batch-size", "48", "--policy-timesteps-per-forward", "3", "--compile",
                       "--gradient-checkpointing"],
 }
@@ -84,6 +86,7 @@ def run_variant(variant, name, iterations, workdir, log_dir, actor_gpus=1, rewar
     return {"wall_s": time.perf_counter() - started, "actor_gpus": actor_gpus, "reward_gpu": reward_gpu,
             "iteration_s": mean("perf/iteration_s"), "rollout_s": mean("perf/rollout_s"),
             "reward_s": mean("perf/reward_s"), "train_s": mean("perf/train_s"),
+            **({"reward_wait_s": mean("perf/reward_wait_s")} if "perf/reward_wait_s" in perf else {}),
             "images_per_s": actor_gpus * 24 / mean("perf/iteration_s"), "images_per_s_per_actor_gpu": 24 / mean("perf/iteration_s"),
             "first_iteration_s": perf["perf/iteration_s"][1], "peak_mem_gib": max(perf["perf/peak_mem_gib"].values()),
             "peak_mem_gib_per_device": summary["peak_mem_gib"],
@@ -117,11 +120,12 @@ if __name__ == "__main__":
             print(name, json.dumps(result, indent=1), flush=True)
             cli.out.write_text(json.dumps(report, indent=1))  # after each variant: a run cut short keeps its numbers
     print(json.dumps({k: v for k, v in report.items() if k not in names}, indent=1))
-    print(f"{'variant':24} {'s/iter':>7} {'img/s':>6} {'rollout':>7} {'reward':>6} {'train':>6} {'MFU':>5} {'peak GiB':>8} {'eval s':>6}")
+    print(f"{'variant':24} {'s/iter':>7} {'img/s':>6} {'rollout':>7} {'reward':>6} {'waited':>6} {'train':>6} {'MFU':>5} "
+          f"{'peak GiB':>8} {'eval s':>6}")
     for name in names:
         r = report[name]
         if "error" in r:
             print(f"{name:24} failed: {r['error'][-500:]}")
             continue
         print(f"{name:24} {r['iteration_s']:7.2f} {r['images_per_s']:6.2f} {r['rollout_s']:7.2f} {r['reward_s']:6.2f} "
-              f"{r['train_s']:6.2f} {r['mfu']:5.1%} {r['peak_mem_gib']:8.1f} {r.get('eval_s', float('nan')):6.1f}")
+              f"{r.get('reward_wait_s', r['reward_s']):6.2f} {r['train_s']:6.2f} {r['mfu']:5.1%} {r['peak_mem_gib']:8.1f} {r.get('eval_s', float('nan')):6.1f}")

@@ -63,6 +63,11 @@ def test_smoke_run_writes_logs_checkpoints_and_summary(three_iterations):
     assert {"eval/images"} <= set(events.Tags()["images"])
     assert [s.step for s in events.Scalars("train/reward_mean")] == [1, 2, 3]
     assert [s.step for s in events.Scalars("eval/reward_mean")] == [0, 1, 2, 3]
+    perf = {tag: np.array([s.value for s in events.Scalars(f"perf/{tag}")]) for tag in
+            ("iteration_s", "rollout_s", "reward_s", "reward_wait_s", "train_s")}
+    # the scorer runs beside the base model's passes: an iteration counts only the part of it that training waited for
+    np.testing.assert_allclose(perf["iteration_s"], perf["rollout_s"] + perf["reward_wait_s"] + perf["train_s"], rtol=1e-5)
+    assert (perf["reward_s"] > 0).all() and (perf["reward_wait_s"] >= 0).all()
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("global_step")) == ["global_step_2", "global_step_3"]
     assert not list(run.glob(".global_step_*"))
     summary = json.loads((run / "summary.json").read_text())
