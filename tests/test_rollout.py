@@ -1,5 +1,7 @@
 """rollout.py on the tiny random SD3 (CPU, fp32): sampler vs diffusers, seeds, text encoding, LoRA adapters, loading."""
 
+from contextlib import contextmanager
+
 import huggingface_hub
 import numpy as np
 import pytest
@@ -44,6 +46,17 @@ def velocity(pipe, name="policy"):
     """active_velocity with adapter `name` (None: the base model)."""
     with rollout.use_adapter(pipe.transformer, name):
         return active_velocity(pipe)
+
+
+@contextmanager
+def compiling():
+    """Code inside may compile: on leaving, new graphs must have run (something did run compiled); dynamo is reset."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        yield
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    finally:
+        torch._dynamo.reset()
 
 
 # ---- sampler ---------------------------------------------------------------------------------------------------------
@@ -227,15 +240,11 @@ def test_compiled_blocks_match_eager_for_every_adapter_and_the_gradient(lora_pip
         return out
 
     eager = outputs()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    try:
+    with compiling():
         rollout.compile_blocks(transformer)
         compiled = outputs()
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the blocks did run compiled
         transformer.enable_gradient_checkpointing()
         checkpointed = outputs()["gradient"]
-    finally:
-        torch._dynamo.reset()
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
     torch.testing.assert_close(checkpointed, eager["gradient"], rtol=1e-4, atol=1e-5)
@@ -251,13 +260,9 @@ def test_compiled_decoder_decodes_like_eager(tiny_model_dir):
             return [vae.decode(z, return_dict=False)[0] for z in chunks]  # (n, 3, H, W)
 
     eager = decode()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    try:
+    with compiling():
         rollout.compile_decoder(vae)
         compiled = decode()
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the decoder did run compiled
-    finally:
-        torch._dynamo.reset()
     for got, want in zip(compiled, eager):
         assert want.std() > 0.01
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
