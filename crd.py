@@ -79,6 +79,8 @@ class Args:
     """rollout ODE steps (CFG 1, the sampling adapter)"""
     max_sequence_length: int = 256
     """T5 prompt tokens"""
+    text_encoder_device: str = ""
+    """device of the CLIP and T5 text encoders (default: the actor device); a reward GPU takes their 10 GiB off the actor"""
     lora_rank: int = 32
     """LoRA rank"""
     lora_alpha: int = 64
@@ -192,9 +194,12 @@ def ema_decay(step, start, initial, slope, maximum):
     return 0.0 if step < start else min(initial + slope * (step - start), maximum)
 
 
+SNAPSHOT_EVENT = "iteration"  # the old adapter stays fixed through an iteration: no old pass waits for the reward
+
+
 def update_snapshots(transformer, step, args, event):
     """CRD: after every iteration, the old and sampling adapters move toward the policy by their own schedules."""
-    if event != "iteration":
+    if event != SNAPSHOT_EVENT:
         return {}
     decays = {"old": ema_decay(step, *args.old_decay), "sampling": ema_decay(step, *args.sampling_decay)}
     for name, decay in decays.items():
@@ -207,6 +212,12 @@ def group_advantages(rewards, group_size, global_std=True, clip=5.0):
     groups = rewards.view(-1, group_size)
     std = rewards.std(unbiased=False) if global_std else groups.std(1, unbiased=False, keepdim=True)
     return ((groups - groups.mean(1, keepdim=True)) / (std + 1e-4)).clamp(-clip, clip).flatten()
+
+
+def micro_batch_rows(per_image, micro_batch):
+    """(T, B, ...) -> (B*T, ...): micro batches of T * micro_batch rows, each timestep-major, so that row
+    (m*T + k) * micro_batch + j holds image m * micro_batch + j at its k-th timestep."""
+    return per_image.unflatten(1, (-1, micro_batch)).transpose(0, 1).flatten(0, 2)
 
 
 def fail(message):
@@ -225,6 +236,14 @@ def check_args(args):
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, --num-steps - 1 = {args.num_steps - 1}]")
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
+    for flag in ("device", "reward_device", "text_encoder_device"):
+        name = getattr(args, flag)
+        try:
+            index = torch.device(name).index if name else None
+        except RuntimeError:
+            fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
+        if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
+            fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if args.resume_from and not (Path(args.resume_from) / "trainer_state.json").is_file():
         fail(f"--resume-from {args.resume_from}: not a checkpoint directory (no trainer_state.json)")
 
@@ -323,7 +342,8 @@ if __name__ == "__main__":
         train_set = load_prompts(args.train_data)[0]
         eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
-        pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                             text_encoder_device=args.text_encoder_device or None)
         scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
                              urls=args.reward_urls, batch_size=B)
     except (DataError, OSError, RuntimeError) as error:
@@ -401,51 +421,54 @@ if __name__ == "__main__":
             rollout = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution, args.resolution,
                              args.forward_batch_size)
         perf["rollout_s"], timer = time.perf_counter() - timer, time.perf_counter()
-        pending_scores = scoring.submit(timed, scorer, rollout["images"], targets)  # beside the base model's passes
+        pending_scores = scoring.submit(timed, scorer, rollout["images"], targets)  # beside the passes below
 
         # ALGO LOGIC: one optimizer step per micro batch of whole groups. Each group trains on T timesteps of the rollout
         # grid in random order; its timesteps and noise are seeded by its global index, so any world size agrees.
-        # The base model's velocities need no reward, so every micro batch's are computed while the scorer reads.
         x0 = rollout["latents"].to(device)  # (B,C,h,w) float32
         grid = rollout["timesteps"][:-1].to(device)  # (num_steps - 1,): the near-zero last step is not trained
-        generator, b = torch.Generator(device), args.train_batch_size
-        micro_batches = []
-        for start in range(0, B, b):
-            groups, timesteps, noise = slice(start, start + b), [], []
-            for first in range(start, start + b, G):
-                generator.manual_seed((args.seed << 40) + (iteration << 20) + rank * B + first)
-                timesteps.append(grid[torch.randperm(len(grid), generator=generator, device=device)[:T]])  # (T,)
-                shape = (T, 1 if args.shared_group_noise else G, *x0.shape[1:])
-                noise.append(torch.randn(shape, generator=generator, device=device).expand(T, G, *x0.shape[1:]))
-            # rows are timestep-major, (T * b, ...): rows k*b .. k*b + b - 1 hold the micro batch at its k-th timesteps
-            timesteps = torch.stack(timesteps, 1).repeat_interleave(G, 1).flatten()  # (T*b,)
-            noise, clean = torch.cat(noise, 1).flatten(0, 1), x0[groups].repeat(T, 1, 1, 1)  # (T*b,C,h,w)
-            sigma = (timesteps / 1000).view(-1, 1, 1, 1)
-            noisy = (1 - sigma) * clean + sigma * noise
-            mb_embeds, mb_pooled = embeds[groups].repeat(T, 1, 1), pooled[groups].repeat(T, 1)  # (T*b,333,4096), (T*b,2048)
-            with torch.no_grad(), autocast, use_adapter(transformer, None):
-                v_ref = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled, args.kl_cfg, *negative,
-                                         max_batch_size=args.forward_batch_size)
-            micro_batches.append((groups, timesteps, noisy, noise - clean, v_ref))
+        generator, b, timesteps, noise = torch.Generator(device), args.train_batch_size, [], []
+        for first in range(0, B, G):
+            generator.manual_seed((args.seed << 40) + (iteration << 20) + rank * B + first)
+            timesteps.append(grid[torch.randperm(len(grid), generator=generator, device=device)[:T]])  # (T,)
+            shape = (T, 1 if args.shared_group_noise else G, *x0.shape[1:])
+            noise.append(torch.randn(shape, generator=generator, device=device).expand(T, G, *x0.shape[1:]))
+        timesteps = micro_batch_rows(torch.stack(timesteps, 1).repeat_interleave(G, 1), b)  # (B*T,)
+        noise = micro_batch_rows(torch.cat(noise, 1), b)  # (B*T,C,h,w)
+        image = micro_batch_rows(torch.arange(B, device=device).expand(T, B), b)  # (B*T,) the image of each row
+        sigma = (timesteps / 1000).view(-1, 1, 1, 1)
+        noisy, velocity_target = (1 - sigma) * x0[image] + sigma * noise, noise - x0[image]  # (B*T,C,h,w)
+        # What needs no reward runs while the scorer reads: the base model's passes, and the old adapter's until it moves
+        early = (B // b if SNAPSHOT_EVENT == "iteration" else 1) * T * b
+        with torch.no_grad(), autocast:
+            with use_adapter(transformer, None):
+                v_ref = predict_velocity(transformer, noisy, timesteps, embeds[image], pooled[image], args.kl_cfg,
+                                         *negative, max_batch_size=args.forward_batch_size)  # (B*T,C,h,w)
+            with use_adapter(transformer, "old"):
+                v_old = list(predict_velocity(transformer, noisy[:early], timesteps[:early], embeds[image[:early]],
+                                              pooled[image[:early]], max_batch_size=args.forward_batch_size).split(T * b))
         if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the base passes are done: from here on, training waits
+            torch.cuda.current_stream(device).synchronize()  # from here on, training waits
         waiting = time.perf_counter()
         (scores, _), perf["reward_s"] = pending_scores.result()
         rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device), world_size)  # (world * B,)
         advantages = group_advantages(rewards, G, args.global_std, args.adv_clip)[rank * B : (rank + 1) * B]
         perf["reward_wait_s"] = time.perf_counter() - waiting
         losses, decays, grad_norms, skipped_steps = {}, {}, [], 0
-        for groups, timesteps, noisy, velocity_target, v_ref in micro_batches:
-            mb_embeds, mb_pooled = embeds[groups].repeat(T, 1, 1), pooled[groups].repeat(T, 1)  # (T*b,333,4096), (T*b,2048)
-            mb_adv = advantages[groups].repeat(T)  # (T*b,)
-            with torch.no_grad(), autocast, use_adapter(transformer, "old"):
-                v_old = predict_velocity(transformer, noisy, timesteps, mb_embeds, mb_pooled,
-                                         max_batch_size=args.forward_batch_size)
-            rows = b * args.policy_timesteps_per_forward
-            for chunk in (slice(i, i + rows) for i in range(0, T * b, rows)):
+        for m in range(B // b):
+            rows = slice(m * T * b, (m + 1) * T * b)
+            mb_noisy, mb_timesteps, mb_target, mb_ref = noisy[rows], timesteps[rows], velocity_target[rows], v_ref[rows]
+            mb_embeds, mb_pooled, mb_adv = embeds[image[rows]], pooled[image[rows]], advantages[image[rows]]  # (T*b,...)
+            if m == len(v_old):  # the old adapter moved after the last optimizer step
+                with torch.no_grad(), autocast, use_adapter(transformer, "old"):
+                    v_old.append(predict_velocity(transformer, mb_noisy, mb_timesteps, mb_embeds, mb_pooled,
+                                                  max_batch_size=args.forward_batch_size))
+            per_forward = b * args.policy_timesteps_per_forward
+            for chunk in (slice(i, i + per_forward) for i in range(0, T * b, per_forward)):
                 with use_adapter(transformer, "policy"), autocast:
-                    v_theta = predict_velocity(transformer, noisy[chunk], timesteps[chunk], mb_embeds[chunk], mb_pooled[chunk])
-                loss, info = crd_loss(v_theta, v_old[chunk], v_ref[chunk], velocity_target[chunk], mb_adv[chunk], G,
+                    v_theta = predict_velocity(transformer, mb_noisy[chunk], mb_timesteps[chunk], mb_embeds[chunk],
+                                               mb_pooled[chunk])
+                loss, info = crd_loss(v_theta, v_old[m][chunk], mb_ref[chunk], mb_target[chunk], mb_adv[chunk], G,
                                       args.adv_clip, args.crd_beta, args.kl_beta, args.kl_floor)
                 share = len(v_theta) / (T * b)  # the loss is the mean over the T timesteps
                 (loss * share).backward()
@@ -509,9 +532,11 @@ if __name__ == "__main__":
                    "mean_iteration_s": float(np.mean(state["iteration_s"])),
                    "train_images_per_s": world_size * B / float(np.mean(state["iteration_s"])),
                    "peak_mem_gib": {f"actor {device}": state["peak_mem_gib"]}}
-        reward_device = torch.device(args.reward_device or device)
-        if reward_device.type == "cuda" and reward_device != device:  # the in-process scorer on its own GPU
-            summary["peak_mem_gib"][f"reward {reward_device}"] = peak_memory_gib(reward_device)
+        other_gpus = {}  # the in-process scorer's and the text encoders' GPUs, where not the actor's
+        for role, name in (("reward", args.reward_device), ("text encoders", args.text_encoder_device)):
+            if name and torch.device(name).type == "cuda" and torch.device(name) != device:
+                other_gpus.setdefault(torch.device(name), []).append(role)
+        summary["peak_mem_gib"].update({f"{' + '.join(r)} {d}": peak_memory_gib(d) for d, r in other_gpus.items()})
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         writer.close()
         print(json.dumps(summary, indent=1))

@@ -18,7 +18,7 @@ import shutil
 import string
 import tempfile
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -82,8 +82,9 @@ def _t5_tokenizer(vocab_size: int | None) -> T5Tokenizer:
     return T5Tokenizer(vocab=[(p, 0.0 if i < 3 else -5.0) for i, p in enumerate(pieces)], extra_ids=0)
 
 
-def _build_components(config: dict) -> dict:
-    """StableDiffusion3Pipeline's components with random weights, created on the default device and dtype."""
+def _build_components(config: dict, text_encoder_device: str | torch.device | None = None) -> dict:
+    """StableDiffusion3Pipeline's components with random weights, created on the default device and dtype (the text
+    encoders on `text_encoder_device` if given)."""
     tok_l, tok_g = _clip_tokenizer(config["clip_l"]["vocab_size"]), _clip_tokenizer(config["clip_g"]["vocab_size"])
     tok_t5 = _t5_tokenizer(config["t5"]["vocab_size"])
 
@@ -96,10 +97,11 @@ def _build_components(config: dict) -> dict:
                         latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
                         scaling_factor=1.5305, shift_factor=0.0609, **config["vae"])
     transformer = SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16, **config["transformer"])
-    return dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                text_encoder=clip(config["clip_l"], tok_l), tokenizer=tok_l,
-                text_encoder_2=clip(config["clip_g"], tok_g), tokenizer_2=tok_g,
-                text_encoder_3=T5EncoderModel(t5), tokenizer_3=tok_t5)
+    with torch.device(text_encoder_device) if text_encoder_device else nullcontext():
+        encoders = dict(text_encoder=clip(config["clip_l"], tok_l), text_encoder_2=clip(config["clip_g"], tok_g),
+                        text_encoder_3=T5EncoderModel(t5))
+    return dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), **encoders,
+                tokenizer=tok_l, tokenizer_2=tok_g, tokenizer_3=tok_t5)
 
 
 def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
@@ -131,8 +133,12 @@ def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
 
 
 def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  cache_dir: str | Path | None = None) -> StableDiffusion3Pipeline:
+                  cache_dir: str | Path | None = None,
+                  text_encoder_device: str | torch.device | None = None) -> StableDiffusion3Pipeline:
     """A frozen (eval, no grad) StableDiffusion3Pipeline: hub id, local directory, TINY or RANDOM_MEDIUM.
+
+    The CLIP and T5 text encoders (10.4 GiB of SD3.5-M's 14.7 in bf16) go to `text_encoder_device` if given, else
+    to `device` with the rest; encode_prompts returns its embeddings on the transformer's device either way.
 
     TINY is built locally and saved to `cache_dir` (default $CRD_CACHE/tiny-sd3-v2, CRD_CACHE=~/.cache/crd), then
     loaded through the same `from_pretrained` as a real model. RANDOM_MEDIUM, SD3.5-M with random weights, is
@@ -143,7 +149,7 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
         torch.set_default_dtype(dtype)  # no float32 copy; and initialising 8B weights on the CPU takes minutes
         try:
             with torch.device(device):
-                pipe = StableDiffusion3Pipeline(**_build_components(MEDIUM_CONFIG))
+                pipe = StableDiffusion3Pipeline(**_build_components(MEDIUM_CONFIG, text_encoder_device))
         finally:
             torch.set_default_dtype(default_dtype)
     else:
@@ -156,7 +162,9 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
                 "stabilityai/stable-diffusion-3.5-medium, log in with `hf auth login` and accept the SD3.5 licence on "
                 "its model page; or pass a local directory that holds a diffusers StableDiffusion3Pipeline."
             ) from e
-        pipe.to(device)
+        for name, component in pipe.components.items():
+            if isinstance(component, torch.nn.Module):
+                component.to(text_encoder_device or device if name.startswith("text_encoder") else device)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval().requires_grad_(False)
@@ -167,11 +175,12 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
 def encode_prompts(pipe, prompts: list[str], max_sequence_length: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """CLIP-L + CLIP-G + T5 embeddings (B, 77 + max_sequence_length, D) and pooled (B, P); each distinct prompt once."""
     unique = list(dict.fromkeys(prompts))  # a batch repeats each prompt group_size times
-    embeds, _, pooled, _ = pipe.encode_prompt(unique, None, None, device=pipe.transformer.device,
+    embeds, _, pooled, _ = pipe.encode_prompt(unique, None, None, device=pipe.text_encoder.device,
                                               do_classifier_free_guidance=False,
                                               max_sequence_length=max_sequence_length)
-    index = torch.tensor([unique.index(p) for p in prompts], device=embeds.device)
-    return embeds[index], pooled[index]
+    device = pipe.transformer.device
+    index = torch.tensor([unique.index(p) for p in prompts], device=device)
+    return embeds.to(device)[index], pooled.to(device)[index]
 
 
 def negative_embeddings(pipe, max_sequence_length: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,6 +312,7 @@ def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, gui
     batch, dtype = latents.shape[0], transformer.dtype
     t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
     chunk = max(1, max_batch_size // (2 if guidance_scale > 1 else 1)) if max_batch_size else batch
+    chunk = -(-batch // -(-batch // chunk))  # equal chunks: 54 rows by 48 run as 27 + 27, not as 48 + a slow 6
     if batch > chunk:
         return torch.cat([predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk], prompt_embeds[i : i + chunk],
                                            pooled[i : i + chunk], guidance_scale, negative_embeds, negative_pooled)

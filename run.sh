@@ -61,15 +61,21 @@ if (( needed > available )); then
 fi
 
 reward_args=()
+if (( NUM_GPUS_REWARD > 0 && NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
+  # the text encoders (10 GiB) beside the reward model: the recipe's actor then peaks under 40 GiB
+  reward_args=(--text-encoder-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
+fi
 if (( NUM_GPUS_REWARD == 0 )); then
-  reward_args=(--reward qwen-vl --reward-model "$REWARD_MODEL")           # scored on each actor's own GPU
+  reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL")          # scored on each actor's own GPU
 elif python3 -c "import vllm" 2>/dev/null; then
   reward_gpus=$(seq -s, "$NUM_GPUS_ACTOR_ROLLOUT" $((needed - 1)))
   log="$OUTPUT_DIR/reward_server.log"
   mkdir -p "$OUTPUT_DIR"
-  echo "+ CUDA_VISIBLE_DEVICES=$reward_gpus vllm serve $REWARD_MODEL --host 127.0.0.1 --port $REWARD_PORT (log: $log)"
-  CUDA_VISIBLE_DEVICES=$reward_gpus setsid vllm serve "$REWARD_MODEL" --host 127.0.0.1 --port "$REWARD_PORT" \
-    --data-parallel-size "$NUM_GPUS_REWARD" --max-model-len 4096 --limit-mm-per-prompt '{"image": 1}' >"$log" 2>&1 &
+  # --gpu-memory-utilization: vLLM's default 0.9 would leave no room for the text encoders beside it
+  serve=(vllm serve "$REWARD_MODEL" --host 127.0.0.1 --port "$REWARD_PORT" --data-parallel-size "$NUM_GPUS_REWARD"
+         --max-model-len 4096 --limit-mm-per-prompt '{"image": 1}' --gpu-memory-utilization 0.7)
+  echo "+ CUDA_VISIBLE_DEVICES=$reward_gpus ${serve[*]} (log: $log)"
+  CUDA_VISIBLE_DEVICES=$reward_gpus setsid "${serve[@]}" >"$log" 2>&1 &
   server=$!
   trap 'kill -- -$server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
   for _ in $(seq 600); do
@@ -79,9 +85,9 @@ elif python3 -c "import vllm" 2>/dev/null; then
   done
   curl -sf "http://127.0.0.1:$REWARD_PORT/health" >/dev/null \
     || { echo "run.sh: error: the reward server did not become healthy in 600 s; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
-  reward_args=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "http://127.0.0.1:$REWARD_PORT")
+  reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "http://127.0.0.1:$REWARD_PORT")
 else
-  reward_args=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
+  reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 
 launcher=(torchrun)

@@ -62,7 +62,7 @@ def run_variant(variant, name, iterations, workdir, log_dir, actor_gpus=1, rewar
            str(iterations if validate else 0), "--output-dir", str(workdir), "--run-name", name,
            *VARIANTS[variant]]
     if reward_gpu:
-        cmd += ["--reward-device", f"cuda:{actor_gpus}"]
+        cmd += ["--reward-device", f"cuda:{actor_gpus}", "--text-encoder-device", f"cuda:{actor_gpus}"]  # as run.sh
     started = time.perf_counter()
     print(f"{name}: {' '.join(cmd[1:])} (log: {log_dir / f'{name}.log'})", flush=True)
     with open(log_dir / f"{name}.log", "w") as log:

@@ -165,3 +165,38 @@ def test_gradients_reach_only_the_policy_lora(tiny_model_dir):
     assert with_grad and all(id(dict(transformer.named_parameters())[n]) in policy for n in with_grad)
     assert len(with_grad) >= len(policy) - 2  # all but the LoRA pair whose output SD3's last block discards
     assert not any(p.requires_grad for n, p in transformer.named_parameters() if id(p) not in policy)
+
+
+def test_micro_batch_rows_are_timestep_major_within_each_micro_batch():
+    from crd import micro_batch_rows
+
+    T, B, b = 3, 4, 2
+    per_image = 10 * torch.arange(T).view(T, 1) + torch.arange(B)  # (T, B): 10 k + image
+    expected = [10 * k + m * b + j for m in range(B // b) for k in range(T) for j in range(b)]
+    assert micro_batch_rows(per_image, b).tolist() == expected
+    latents = torch.randn(T, B, 2, 3)
+    assert torch.equal(micro_batch_rows(latents, b)[(1 * T + 2) * b + 1], latents[2, 1 * b + 1])
+
+
+@pytest.mark.parametrize("trainer", ["crd", "dgpo"])
+def test_old_adapter_moves_only_at_the_snapshot_event(trainer, tiny_model_dir):
+    """crd.py and dgpo.py run the old adapter's passes before the reward arrives as long as it cannot have moved:
+    a whole iteration for CRD, until the first optimizer step for DGPO. That rests on update_snapshots moving it at
+    SNAPSHOT_EVENT alone."""
+    import importlib
+
+    import rollout
+
+    module = importlib.import_module(trainer)
+    args = module.Args()
+    transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
+    rollout.add_lora_adapters(transformer, 4, 4)
+    with torch.no_grad():
+        for p in rollout.lora_parameters(transformer, "policy"):
+            p.add_(1.0)
+    old = [p.clone() for p in rollout.lora_parameters(transformer, "old")]
+    other = {"iteration": "optimizer_step", "optimizer_step": "iteration"}[module.SNAPSHOT_EVENT]
+    module.update_snapshots(transformer, 100, args, other)
+    assert all(torch.equal(o, p) for o, p in zip(old, rollout.lora_parameters(transformer, "old")))
+    module.update_snapshots(transformer, 100, args, module.SNAPSHOT_EVENT)
+    assert not any(torch.equal(o, p) for o, p in zip(old, rollout.lora_parameters(transformer, "old")))

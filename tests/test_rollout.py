@@ -385,6 +385,12 @@ def test_missing_local_model_has_clear_error(tmp_path):
     assert "local directory" in str(info.value) and info.value.__cause__ is not None
 
 
+def test_text_encoders_go_to_their_own_device(tiny_model_dir):
+    pipe = rollout.load_pipeline(str(tiny_model_dir), "cpu", text_encoder_device="meta")  # meta: a second device here
+    assert {pipe.text_encoder.device.type, pipe.text_encoder_2.device.type, pipe.text_encoder_3.device.type} == {"meta"}
+    assert pipe.transformer.device.type == pipe.vae.device.type == "cpu"
+
+
 def test_hub_model_offline_has_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once at import
@@ -393,9 +399,11 @@ def test_hub_model_offline_has_clear_error(monkeypatch):
 
 
 @pytest.mark.parametrize("guidance, max_batch_size, expected", [
-    (1.0, None, [5]), (4.5, None, [10]), (1.0, 2, [2, 2, 1]), (4.5, 4, [4, 4, 2]), (4.5, 1, [2] * 5)])
+    (1.0, None, [5]), (4.5, None, [10]), (1.0, 2, [2, 2, 1]), (4.5, 4, [4, 4, 2]), (4.5, 1, [2] * 5),
+    (1.0, 4, [3, 2]), (4.5, 8, [6, 4])])
 def test_predict_velocity_transformer_calls(tiny_pipe, guidance, max_batch_size, expected):
-    """The rows each transformer call gets (a CFG image takes two): chunking must not split further than asked."""
+    """The rows each transformer call gets (a CFG image takes two): as few calls as the limit allows, as equal as can
+    be (no small remainder call), and the same velocities as one call."""
     embeds, pooled = rollout.encode_prompts(tiny_pipe, ["a", "b", "c", "d", "e"])
     negative = rollout.negative_embeddings(tiny_pipe)
     latents = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(0))

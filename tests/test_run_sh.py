@@ -79,9 +79,11 @@ def test_reward_server_serves_the_run_and_stops_with_it(tmp_path, tiny_model_dir
            "REWARD_PORT": str(port), "TRAIN_DATA": str(DATA / "train.txt"), "EVAL_DATA": str(DATA / "test.txt"),
            "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64", "TOTAL_TRAINING_STEPS": "1"}
     result = run_sh(env, "crd", "--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1", "--eval-every", "0",
-                    "--run-name", "served")
+                    "--run-name", "served", "--text-encoder-device", "cpu")  # extra args win over run.sh's layout
     assert result.returncode == 0, result.stderr[-3000:]
     assert "vllm serve Qwen/Qwen2.5-VL-3B-Instruct --host 127.0.0.1" in result.stdout
+    assert "--gpu-memory-utilization 0.7" in result.stdout  # room for the text encoders beside the reward model
+    assert "--text-encoder-device cuda:1 --reward vllm" in result.stdout
     assert f"--reward vllm --reward-model Qwen/Qwen2.5-VL-3B-Instruct --reward-urls http://127.0.0.1:{port}" in result.stdout
     assert (tmp_path / "runs" / "served" / "summary.json").is_file()
     server_log = (tmp_path / "runs" / "reward_server.log").read_text()

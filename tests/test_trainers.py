@@ -163,6 +163,8 @@ def test_sigterm_finishes_the_iteration_and_saves(tmp_path, tiny_model_dir):
     (["--train-data", "missing/train.jsonl"], "missing/train.jsonl: prompt file not found"),
     (["--model", "/nonexistent/sd35"], "could not load the SD3 model '/nonexistent/sd35'"),
     (["--reward", "ocr"], "--reward ocr: choose one of"),
+    (["--reward-device", "gpu7"], "--reward-device gpu7: not a torch device"),
+    (["--text-encoder-device", "cuda:1"], "--text-encoder-device cuda:1: this machine has 0 CUDA device(s)"),
 ])
 def test_bad_input_gives_a_clear_error(extra, message, tiny_model_dir, tmp_path):
     result = train("crd.py", tiny_model_dir, tmp_path, *extra, check=False)
