@@ -443,10 +443,11 @@ if __name__ == "__main__":
         with torch.no_grad(), autocast:
             with use_adapter(transformer, None):
                 v_ref = predict_velocity(transformer, noisy, timesteps, embeds[image], pooled[image], args.kl_cfg,
-                                         *negative, max_batch_size=args.forward_batch_size)  # (B*T,C,h,w)
+                                         *negative, max_batch_size=args.forward_batch_size, wait_each_chunk=True)
             with use_adapter(transformer, "old"):
                 v_old = list(predict_velocity(transformer, noisy[:early], timesteps[:early], embeds[image[:early]],
-                                              pooled[image[:early]], max_batch_size=args.forward_batch_size).split(T * b))
+                                              pooled[image[:early]], max_batch_size=args.forward_batch_size,
+                                              wait_each_chunk=True).split(T * b))  # [(T*b,C,h,w)] * micro batches
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # from here on, training waits
         waiting = time.perf_counter()

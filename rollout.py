@@ -302,21 +302,30 @@ def compile_decoder(vae) -> None:
 
 
 def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, guidance_scale: float = 1.0,
-                     negative_embeds=None, negative_pooled=None, max_batch_size: int | None = None) -> torch.Tensor:
+                     negative_embeds=None, negative_pooled=None, max_batch_size: int | None = None,
+                     wait_each_chunk: bool = False) -> torch.Tensor:
     """Flow-matching velocity (B, C, h, w) of latents (B, C, h, w) at timesteps (scalar or (B,), 0..1000 scale).
 
     With guidance_scale > 1, the unconditional and conditional branches run as one batch of 2B (diffusers' order)
     and v = v_unc + s (v_cond - v_unc); negative embeddings of batch 1 are broadcast to B. With max_batch_size,
-    no transformer call gets more than that many rows (a CFG image takes two).
+    no transformer call gets more than that many rows (a CFG image takes two). With wait_each_chunk, the host waits
+    for each call on a CUDA device before it launches the next; it releases the GIL while it waits. Otherwise it runs
+    ahead until the launch queue is full and then blocks inside a launch, holding the GIL, which starves a scorer
+    thread beside it (its kernels are launched from Python too).
     """
     batch, dtype = latents.shape[0], transformer.dtype
     t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
     chunk = max(1, max_batch_size // (2 if guidance_scale > 1 else 1)) if max_batch_size else batch
     chunk = -(-batch // -(-batch // chunk))  # equal chunks: 54 rows by 48 run as 27 + 27, not as 48 + a slow 6
     if batch > chunk:
-        return torch.cat([predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk], prompt_embeds[i : i + chunk],
-                                           pooled[i : i + chunk], guidance_scale, negative_embeds, negative_pooled)
-                          for i in range(0, batch, chunk)])
+        velocities = []
+        for i in range(0, batch, chunk):
+            velocities.append(predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk],
+                                               prompt_embeds[i : i + chunk], pooled[i : i + chunk], guidance_scale,
+                                               negative_embeds, negative_pooled))
+            if wait_each_chunk and latents.device.type == "cuda":
+                torch.cuda.current_stream(latents.device).synchronize()
+        return torch.cat(velocities)
     if guidance_scale > 1:
         if negative_embeds is None or negative_pooled is None:
             raise ValueError("guidance_scale > 1 needs negative_embeds and negative_pooled")
