@@ -348,7 +348,7 @@ if __name__ == "__main__":
                              urls=args.reward_urls, batch_size=B)
     except (DataError, OSError, RuntimeError) as error:
         fail(error)
-    scoring = ThreadPoolExecutor(1)  # every scorer call runs in this thread: CUDA graphs replay where they were recorded
+    scoring = ThreadPoolExecutor(1)  # one worker: scorer calls (training and validation) never overlap each other
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:
