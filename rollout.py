@@ -301,6 +301,15 @@ def compile_decoder(vae) -> None:
 # ---- sampling --------------------------------------------------------------------------------------------------------
 
 
+def images_per_call(batch: int, max_rows: int | None, guidance_scale: float = 1.0) -> int:
+    """Images in each transformer call: no call gets more than max_rows rows (a CFG image takes two), and the calls
+    are as equal as can be (54 images by 48 run as 27 + 27, not as 48 + a slow 6)."""
+    if not max_rows:
+        return batch
+    most = max(1, max_rows // (2 if guidance_scale > 1 else 1))
+    return -(-batch // -(-batch // most))
+
+
 def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, guidance_scale: float = 1.0,
                      negative_embeds=None, negative_pooled=None, max_batch_size: int | None = None,
                      wait_each_chunk: bool = False) -> torch.Tensor:
@@ -315,8 +324,7 @@ def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, gui
     """
     batch, dtype = latents.shape[0], transformer.dtype
     t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
-    chunk = max(1, max_batch_size // (2 if guidance_scale > 1 else 1)) if max_batch_size else batch
-    chunk = -(-batch // -(-batch // chunk))  # equal chunks: 54 rows by 48 run as 27 + 27, not as 48 + a slow 6
+    chunk = images_per_call(batch, max_batch_size, guidance_scale)
     if batch > chunk:
         velocities = []
         for i in range(0, batch, chunk):
@@ -362,34 +370,45 @@ def decode_latents(pipe, latents: torch.Tensor, max_batch_size: int = 8) -> np.n
 @torch.no_grad()
 def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, guidance_scale: float = 1.0,
            height: int = 512, width: int = 512, max_batch_size: int = 32, negative_embeds=None, negative_pooled=None,
-           decode: bool = True, progress: bool = False) -> dict:
-    """Deterministic Euler ODE on the scheduler's (shifted) sigmas, one image per seed, max_batch_size at a time.
+           decode: bool = True, progress: bool = False, on_decoded=None) -> dict:
+    """Deterministic Euler ODE on the scheduler's (shifted) sigmas, one image per seed, in equal chunks of images
+    such that no transformer call gets more than max_batch_size rows (a CFG image takes two).
 
     Runs whichever adapter is active (wrap it in `use_adapter`). CFG when guidance_scale > 1, against the empty
-    prompt unless negative embeddings are given.
+    prompt unless negative embeddings are given. on_decoded(chunk, images), if given, gets each chunk's slice and
+    decoded images as soon as they exist, so that a caller can score them in a thread while the next chunk samples.
     """
     transformer, device = pipe.transformer, pipe.transformer.device
     if len(seeds) != prompt_embeds.shape[0]:
         raise ValueError(f"{len(seeds)} seeds for {prompt_embeds.shape[0]} prompt embeddings")
+    if on_decoded is not None and not decode:
+        raise ValueError("on_decoded needs decode=True")
     if guidance_scale > 1 and negative_embeds is None:
         negative_embeds, negative_pooled = negative_embeddings(pipe, prompt_embeds.shape[1] - pipe.tokenizer_max_length)
     pipe.scheduler.set_timesteps(num_steps)  # so the scheduler config's shift applies
     timesteps, sigmas = pipe.scheduler.timesteps.float(), pipe.scheduler.sigmas.float()  # (T,), (T + 1,)
     shape = (transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     latents = initial_latents(seeds, shape, device, torch.float32)  # (B, C, h, w)
+    per_call = images_per_call(len(seeds), max_batch_size, guidance_scale)
     images = []
-    bar = tqdm(total=math.ceil(len(seeds) / max_batch_size) * num_steps, desc="sampling", disable=not progress)
-    for start in range(0, len(seeds), max_batch_size):
-        chunk = slice(start, start + max_batch_size)
+    bar = tqdm(total=math.ceil(len(seeds) / per_call) * num_steps, desc="sampling", disable=not progress)
+    for start in range(0, len(seeds), per_call):
+        chunk = slice(start, start + per_call)
         x = latents[chunk]
         for i, t in enumerate(timesteps.to(device)):
             v = predict_velocity(transformer, x, t, prompt_embeds[chunk], pooled[chunk], guidance_scale,
                                  negative_embeds, negative_pooled)
             x = x + float(sigmas[i + 1] - sigmas[i]) * v.float()  # in float32 even for bf16 models, like diffusers
+            if on_decoded is not None and device.type == "cuda":
+                # the caller's thread may be scoring the chunk before: wait here, without the GIL, rather than
+                # block inside a launch holding it (see predict_velocity's wait_each_chunk)
+                torch.cuda.current_stream(device).synchronize()
             bar.update()
         latents[chunk] = x
         if decode:
             images.append(decode_latents(pipe, x))
+            if on_decoded is not None:
+                on_decoded(chunk, images[-1])
     bar.close()
     out = {"latents": latents, "timesteps": timesteps, "sigmas": sigmas}  # (B, C, h, w), (T,), (T + 1,) float32
     if decode:

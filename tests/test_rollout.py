@@ -107,6 +107,30 @@ def test_image_is_reproducible_alone_or_in_any_batch(tiny_pipe):
     assert not torch.allclose(full[0], full[2])  # ... and same prompt, different seeds
 
 
+def test_sample_chunks_count_rows_and_each_chunk_is_handed_over_decoded(tiny_pipe):
+    """With CFG an image takes two rows: 5 images by 6 rows sample as 3 + 2 images (6 and 4 rows a call), the same
+    images as in one call, and on_decoded gets each chunk's rows and images before the next chunk samples."""
+    embeds, pooled = embed(tiny_pipe, 5)
+    run = dict(num_steps=2, guidance_scale=4.5, height=H, width=W)
+    events = []
+    hook = tiny_pipe.transformer.register_forward_pre_hook(
+        lambda m, a, kw: events.append(kw["hidden_states"].shape[0]), with_kwargs=True)
+    try:
+        chunked = rollout.sample(tiny_pipe, embeds, pooled, list(range(5)), max_batch_size=6,
+                                 on_decoded=lambda rows, images: events.append((rows, images)), **run)
+    finally:
+        hook.remove()
+    whole = rollout.sample(tiny_pipe, embeds, pooled, list(range(5)), max_batch_size=10, **run)
+    assert [e for e in events if isinstance(e, int)] == [6, 6, 4, 4]
+    assert [e if isinstance(e, int) else e[0] for e in events] == [6, 6, slice(0, 3), 4, 4, slice(3, 6)]
+    handed_over = np.concatenate([e[1] for e in events if not isinstance(e, int)])
+    np.testing.assert_array_equal(handed_over, chunked["images"])
+    assert np.abs(chunked["images"].astype(int) - whole["images"]).max() <= 1  # fp32 batch-size noise at most
+    torch.testing.assert_close(chunked["latents"], whole["latents"], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="decode"):
+        rollout.sample(tiny_pipe, embeds, pooled, list(range(5)), decode=False, on_decoded=print, **run)
+
+
 def test_initial_latents_per_seed():
     x = rollout.initial_latents([7, 8], (16, 8, 8), "cpu", torch.bfloat16)
     assert x.shape == (2, 16, 8, 8) and x.dtype == torch.bfloat16

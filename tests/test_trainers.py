@@ -224,6 +224,14 @@ def test_batched_timesteps_give_the_plain_paths_result(three_iteration_runs, tin
     assert_trains_like(tmp_path / "run", three_iteration_runs["crd.py"])
 
 
+def test_validation_scored_chunk_by_chunk_gives_the_plain_paths_result(three_iteration_runs, tiny_model_dir, tmp_path):
+    """--forward-batch-size 2: validation samples its 4 prompts one per call (CFG: 2 rows) and scores each while the
+    next samples; every image is scored, as when all 4 sample in one call."""
+    train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 1, "--forward-batch-size", 2)
+    chunked, plain = scalars(tmp_path / "run", "eval/reward_mean"), scalars(three_iteration_runs["crd.py"], "eval/reward_mean")
+    assert list(chunked) == [0, 1] and chunked == pytest.approx({k: plain[k] for k in chunked}, rel=1e-4)
+
+
 def test_gradient_checkpointing_gives_the_plain_paths_result(three_iteration_runs, tiny_model_dir, tmp_path):
     """--gradient-checkpointing (the policy backward recomputes each block's activations) changes no number."""
     train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 0, "--save-every", 1,
