@@ -393,12 +393,16 @@ if __name__ == "__main__":
         started = time.perf_counter()
         prompts, targets = [r["prompt"] for r in eval_set], [r["target"] for r in eval_set]
         embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
-        scored = []  # futures of (scores, texts): the scorer reads each chunk of images while the next one samples
+        scored = []  # futures of (scores, texts)
+
+        def score_chunk(rows, chunk):  # the scorer reads each chunk of images while the next one samples
+            scored.append(scoring.submit(scorer, chunk, targets[rows]))
+
         with use_adapter(transformer, "sampling"), autocast:
             images = sample(pipe, embeds, pooled, [args.eval_seed + i for i in range(len(prompts))], args.eval_steps,
                             args.eval_guidance, args.resolution, args.resolution, args.forward_batch_size,
                             negative_embeds=negative[0], negative_pooled=negative[1], progress=True,
-                            on_decoded=lambda rows, chunk: scored.append(scoring.submit(scorer, chunk, targets[rows])))["images"]
+                            on_decoded=score_chunk)["images"]
         chunks = [future.result() for future in scored]
         scores, texts = np.concatenate([chunk[0] for chunk in chunks]), [text for chunk in chunks for text in chunk[1]]
         state["eval"].append([iteration, float(np.mean(scores))])
