@@ -318,7 +318,7 @@ def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, gui
     With guidance_scale > 1, the unconditional and conditional branches run as one batch of 2B (diffusers' order)
     and v = v_unc + s (v_cond - v_unc); negative embeddings of batch 1 are broadcast to B. With max_batch_size,
     no transformer call gets more than that many rows (a CFG image takes two). With wait_each_chunk, the host waits
-    for each call on a CUDA device before it launches the next; it releases the GIL while it waits. Otherwise it runs
+    for each transformer call on a CUDA device to finish; it releases the GIL while it waits. Otherwise it runs
     ahead until the launch queue is full and then blocks inside a launch, holding the GIL, which starves a scorer
     thread beside it (its kernels are launched from Python too).
     """
@@ -326,14 +326,10 @@ def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, gui
     t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
     chunk = images_per_call(batch, max_batch_size, guidance_scale)
     if batch > chunk:
-        velocities = []
-        for i in range(0, batch, chunk):
-            velocities.append(predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk],
-                                               prompt_embeds[i : i + chunk], pooled[i : i + chunk], guidance_scale,
-                                               negative_embeds, negative_pooled))
-            if wait_each_chunk and latents.device.type == "cuda":
-                torch.cuda.current_stream(latents.device).synchronize()
-        return torch.cat(velocities)
+        return torch.cat([predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk],
+                                           prompt_embeds[i : i + chunk], pooled[i : i + chunk], guidance_scale,
+                                           negative_embeds, negative_pooled, wait_each_chunk=wait_each_chunk)
+                          for i in range(0, batch, chunk)])
     if guidance_scale > 1:
         if negative_embeds is None or negative_pooled is None:
             raise ValueError("guidance_scale > 1 needs negative_embeds and negative_pooled")
@@ -342,6 +338,8 @@ def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, gui
         pooled = torch.cat([negative_pooled.expand(batch, -1), pooled])  # (2B, P)
     v = transformer(hidden_states=latents.to(dtype), timestep=t, encoder_hidden_states=prompt_embeds.to(dtype),
                     pooled_projections=pooled.to(dtype), return_dict=False)[0]
+    if wait_each_chunk and latents.device.type == "cuda":
+        torch.cuda.current_stream(latents.device).synchronize()
     if guidance_scale > 1:
         v_unc, v_cond = v.chunk(2)
         v = v_unc + guidance_scale * (v_cond - v_unc)
@@ -397,12 +395,9 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
         x = latents[chunk]
         for i, t in enumerate(timesteps.to(device)):
             v = predict_velocity(transformer, x, t, prompt_embeds[chunk], pooled[chunk], guidance_scale,
-                                 negative_embeds, negative_pooled)
+                                 negative_embeds, negative_pooled,
+                                 wait_each_chunk=on_decoded is not None)  # the caller may be scoring the chunk before
             x = x + float(sigmas[i + 1] - sigmas[i]) * v.float()  # in float32 even for bf16 models, like diffusers
-            if on_decoded is not None and device.type == "cuda":
-                # the caller's thread may be scoring the chunk before: wait here, without the GIL, rather than
-                # block inside a launch holding it (see predict_velocity's wait_each_chunk)
-                torch.cuda.current_stream(device).synchronize()
             bar.update()
         latents[chunk] = x
         if decode:
