@@ -157,10 +157,18 @@ class Args:
     """CFG scale of the base model in the KL anchor"""
     shared_group_noise: bool = False
     """use one training noise per group and timestep (else one per image)"""
+    # Flow-Factory (X-GenGroup/Flow-Factory a0b2bc5) examples/crd/lora/sd3_5/default.yaml:55-56, the paper's OCR
+    # schedules, evaluated at src/flow_factory/trainers/crd.py:412,425 on its optimizer-step count (incremented at
+    # :858), which takes 2 steps per rollout round there (default.yaml:85: gradient_step_per_epoch 2)
     old_decay: tuple[float, float, float, float] = (0, 0.25, 0.005, 0.999)
-    """EMA of the old adapter after each iteration: (start step, initial decay, slope per step, max decay)"""
+    """EMA of the old adapter after each iteration: (start k, initial decay, slope per k, max decay), where k counts
+    2 per iteration (see --ema-counts-optimizer-steps)"""
     sampling_decay: tuple[float, float, float, float] = (75, 0.0, 0.0075, 0.999)
-    """EMA of the sampling adapter after each iteration (a hard copy of the policy before the start step)"""
+    """EMA of the sampling adapter after each iteration, as --old-decay (initial decay 0: a copy of the policy)"""
+    ema_counts_optimizer_steps: bool = False
+    """k of both EMA schedules counts the optimizer steps taken (4 per iteration in the recipe), as in a port that
+    counts steps; default: the paper's 2 optimizer steps per rollout round, which the constants were calibrated for,
+    so k = 2 x iterations done for any --train-batch-size and world size"""
 
 
 # ALGO LOGIC: the loss of one training timestep
@@ -190,22 +198,25 @@ def crd_loss(v_theta, v_old, v_ref, target, advantages, group_size, adv_clip=5.0
 
 
 def ema_decay(step, start, initial, slope, maximum):
-    """decay(step) = 0 before `start`, then initial + slope * (step - start), capped at `maximum`."""
-    return 0.0 if step < start else min(initial + slope * (step - start), maximum)
+    """decay(step) = initial before `start`, then initial + slope * (step - start), capped at `maximum`
+    (Flow-Factory's compute_decay, src/flow_factory/trainers/crd.py:100-102)."""
+    return initial if step < start else min(initial + slope * (step - start), maximum)
 
 
 SNAPSHOT_EVENT = "iteration"  # the old adapter stays fixed through an iteration: no old pass waits for the reward
 
 
-def update_snapshots(transformer, step, args, event):
-    """CRD: after every iteration, the old and sampling adapters move toward the policy by their own schedules."""
+def update_snapshots(transformer, args, event, iterations, steps):
+    """CRD: after every iteration, the old and sampling adapters move toward the policy by their own schedules,
+    evaluated at k = 2 x iterations done (Flow-Factory's step count after an epoch of 2 optimizer steps) or, with
+    --ema-counts-optimizer-steps, at the optimizer steps taken."""
     if event != SNAPSHOT_EVENT:
         return {}
-    decays = {"old": ema_decay(step, *args.old_decay), "sampling": ema_decay(step, *args.sampling_decay)}
+    k = steps if args.ema_counts_optimizer_steps else 2 * iterations
+    decays = {"old": ema_decay(k, *args.old_decay), "sampling": ema_decay(k, *args.sampling_decay)}
     for name, decay in decays.items():
         ema_update_(transformer, name, "policy", decay)
     return decays
-
 
 def group_advantages(rewards, group_size, global_std=True, clip=5.0):
     """A_i = (r_i - mean_group r) / (std + 1e-4), clipped to +-clip; std over every reward given, or per group."""
@@ -488,13 +499,14 @@ if __name__ == "__main__":
                 optimizer.step()
                 state["global_step"] += 1
                 nonfinite_streak = 0
-            else:
+                decays.update(update_snapshots(transformer, args, "optimizer_step", iteration + 1, state["global_step"]))
+            else:  # a skipped step moves no snapshot
                 nonfinite_streak, skipped_steps = nonfinite_streak + 1, skipped_steps + 1
                 print(f"iteration {iteration + 1}: non-finite gradient, optimizer step skipped", flush=True)
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-            decays.update(update_snapshots(transformer, state["global_step"], args, "optimizer_step"))
-        decays.update(update_snapshots(transformer, state["global_step"], args, "iteration"))
+        if skipped_steps < B // b:  # nor does an iteration whose every step was skipped
+            decays.update(update_snapshots(transformer, args, "iteration", iteration + 1, state["global_step"]))
         all_mean_(list(losses.values()), world_size)  # log the losses of every rank's groups
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -157,9 +157,10 @@ class Args:
     shared_group_noise: bool = True
     """use one training noise per group and timestep (else one per image)"""
     old_decay: tuple[float, float] = (0.001, 0.3)
-    """EMA of the old adapter after each optimizer step: decay = min(slope * step, max), as (slope, max)"""
+    """EMA of the old adapter after each optimizer step: decay = min(slope * k, max), as (slope, max), k = the
+    optimizer steps taken before this one"""
     switch_to_old_step: int = 200
-    """rollouts and validation use the policy until this optimizer step, then the old adapter"""
+    """rollouts and validation use the policy until this many optimizer steps are taken, then the old adapter"""
 
 
 # ALGO LOGIC: the loss of one training timestep
@@ -196,15 +197,18 @@ def ema_decay(step, slope, maximum):
 SNAPSHOT_EVENT = "optimizer_step"  # the old adapter moves after each step: only the first old pass is early
 
 
-def update_snapshots(transformer, step, args, event):
-    """DGPO: after every optimizer step the old adapter moves toward the policy; the sampling adapter holds a copy
-    of the policy until `switch_to_old_step`, then of the old adapter."""
+def update_snapshots(transformer, args, event, iterations, steps):
+    """DGPO: after every optimizer step the old adapter moves toward the policy, its decay read off the steps taken
+    before this one (official train_sd3_dgpo.py:1176 uses global_step before its increment at :1210); the sampling
+    adapter holds a copy of the policy until more than `switch_to_old_step` steps are taken (:799), then of the old
+    adapter."""
     if event != SNAPSHOT_EVENT:
         return {}
-    decays = {"old": ema_decay(step, *args.old_decay), "sampling": 0.0}
+    decays = {"old": ema_decay(steps - 1, *args.old_decay), "sampling": 0.0}
     ema_update_(transformer, "old", "policy", decays["old"])
-    ema_update_(transformer, "sampling", "policy" if step < args.switch_to_old_step else "old", 0.0)
+    ema_update_(transformer, "sampling", "old" if steps > args.switch_to_old_step else "policy", 0.0)
     return decays
+
 
 
 def group_advantages(rewards, group_size, global_std=True, clip=5.0):
@@ -488,13 +492,14 @@ if __name__ == "__main__":
                 optimizer.step()
                 state["global_step"] += 1
                 nonfinite_streak = 0
-            else:
+                decays.update(update_snapshots(transformer, args, "optimizer_step", iteration + 1, state["global_step"]))
+            else:  # a skipped step moves no snapshot
                 nonfinite_streak, skipped_steps = nonfinite_streak + 1, skipped_steps + 1
                 print(f"iteration {iteration + 1}: non-finite gradient, optimizer step skipped", flush=True)
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
-            decays.update(update_snapshots(transformer, state["global_step"], args, "optimizer_step"))
-        decays.update(update_snapshots(transformer, state["global_step"], args, "iteration"))
+        if skipped_steps < B // b:  # nor does an iteration whose every step was skipped
+            decays.update(update_snapshots(transformer, args, "iteration", iteration + 1, state["global_step"]))
         all_mean_(list(losses.values()), world_size)  # log the losses of every rank's groups
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import crd
+import rollout
 from crd import crd_loss, ema_decay, group_advantages
 
 G = 4
@@ -138,10 +140,65 @@ def test_sampling_adapter_schedule(step, expected):
     assert ema_decay(step, 75, 0.0, 0.0075, 0.999) == pytest.approx(expected)
 
 
+def test_decay_before_the_start_is_the_initial_decay():
+    """As Flow-Factory's compute_decay: the initial value holds until the start step, then the ramp begins there."""
+    assert [ema_decay(k, 10, 0.4, 0.01, 0.9) for k in (0, 9, 10, 11, 1000)] == pytest.approx([0.4, 0.4, 0.4, 0.41, 0.9])
+
+
+def paper_decay(k, start, initial, slope, maximum):
+    """The schedule of the paper's Table 3 written out: flat at `initial` until `start`, then a capped linear ramp."""
+    if k < start:
+        return initial
+    return min(initial + slope * (k - start), maximum)
+
+
+@pytest.fixture
+def lora_transformer(tiny_model_dir):
+    """The tiny transformer with its three adapters, the policy moved away from the other two."""
+    transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
+    rollout.add_lora_adapters(transformer, 4, 4)
+    with torch.no_grad():
+        for p in rollout.lora_parameters(transformer, "policy"):
+            p.add_(1.0)
+    return transformer
+
+
+@pytest.mark.parametrize("iteration", [1, 19, 38, 53, 75, 100])
+def test_snapshot_decays_are_the_papers_schedules_at_two_steps_per_iteration(lora_transformer, iteration):
+    """The update the loop makes after an iteration, given the recipe's 4 optimizer steps per iteration: each adapter
+    blends toward the policy with its schedule evaluated at k = 2 x iterations done, the paper's step count."""
+    args = crd.Args()
+    before = {name: [p.clone() for p in rollout.lora_parameters(lora_transformer, name)] for name in ("old", "sampling")}
+    decays = crd.update_snapshots(lora_transformer, args, crd.SNAPSHOT_EVENT, iteration, 4 * iteration)
+    expected = {"old": paper_decay(2 * iteration, 0, 0.25, 0.005, 0.999),
+                "sampling": paper_decay(2 * iteration, 75, 0.0, 0.0075, 0.999)}
+    assert decays == pytest.approx(expected, abs=1e-12)
+    policy = rollout.lora_parameters(lora_transformer, "policy")
+    for name, decay in expected.items():
+        for now, then, p in zip(rollout.lora_parameters(lora_transformer, name), before[name], policy):
+            torch.testing.assert_close(now, decay * then + (1 - decay) * p)
+
+
+def test_schedule_milestones_in_iterations():
+    """The calibration the issue names: the sampling adapter copies the policy through iteration 37 and ramps from
+    38 on; the old adapter reaches 0.999 at iteration 75, the sampling adapter at 105."""
+    args = crd.Args()
+    k = {n: 2 * n for n in range(1, 120)}
+    sampling = [n for n in k if ema_decay(k[n], *args.sampling_decay) > 0]
+    assert sampling[0] == 38
+    assert min(n for n in k if ema_decay(k[n], *args.old_decay) >= 0.999) == 75
+    assert min(n for n in k if ema_decay(k[n], *args.sampling_decay) >= 0.999) == 105
+
+
+def test_snapshot_decays_can_count_optimizer_steps(lora_transformer):
+    args = crd.Args(ema_counts_optimizer_steps=True)
+    decays = crd.update_snapshots(lora_transformer, args, crd.SNAPSHOT_EVENT, 25, 100)
+    assert decays == pytest.approx({"old": paper_decay(100, 0, 0.25, 0.005, 0.999),
+                                    "sampling": paper_decay(100, 75, 0.0, 0.0075, 0.999)})
+
+
 def test_gradients_reach_only_the_policy_lora(tiny_model_dir):
     """The three velocities of crd.py's training step on the tiny transformer: only policy LoRA tensors get gradients."""
-    import rollout
-
     pipe = rollout.load_pipeline(str(tiny_model_dir))
     transformer = pipe.transformer
     rollout.add_lora_adapters(transformer, 4, 8)
@@ -185,8 +242,6 @@ def test_old_adapter_moves_only_at_the_snapshot_event(trainer, tiny_model_dir):
     SNAPSHOT_EVENT alone."""
     import importlib
 
-    import rollout
-
     module = importlib.import_module(trainer)
     args = module.Args()
     transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
@@ -196,7 +251,7 @@ def test_old_adapter_moves_only_at_the_snapshot_event(trainer, tiny_model_dir):
             p.add_(1.0)
     old = [p.clone() for p in rollout.lora_parameters(transformer, "old")]
     other = {"iteration": "optimizer_step", "optimizer_step": "iteration"}[module.SNAPSHOT_EVENT]
-    module.update_snapshots(transformer, 100, args, other)
+    module.update_snapshots(transformer, args, other, 50, 100)
     assert all(torch.equal(o, p) for o, p in zip(old, rollout.lora_parameters(transformer, "old")))
-    module.update_snapshots(transformer, 100, args, module.SNAPSHOT_EVENT)
+    module.update_snapshots(transformer, args, module.SNAPSHOT_EVENT, 50, 100)
     assert not any(torch.equal(o, p) for o, p in zip(old, rollout.lora_parameters(transformer, "old")))

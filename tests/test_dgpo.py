@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rollout
-from dgpo import dgpo_loss, ema_decay, update_snapshots
+from dgpo import Args, dgpo_loss, ema_decay, update_snapshots
 
 ROOT = Path(__file__).resolve().parent.parent
 G = 4
@@ -82,25 +82,34 @@ def test_clip_masks_exactly_the_specified_samples():
 
 
 def test_old_adapter_ema_per_step_and_sampling_switch(tiny_model_dir):
+    """Official train_sd3_dgpo.py: after optimizer step s + 1 the old EMA uses decay min(0.3, 0.001 s), s counted
+    before its increment; rollouts switch to the old EMA once more than switch_ema_ref (200) steps are done."""
     transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
     rollout.add_lora_adapters(transformer, 4, 4)
     assert [ema_decay(s, 0.001, 0.3) for s in (0, 100, 250, 300, 5000)] == pytest.approx([0, 0.1, 0.25, 0.3, 0.3])
-
-    class Args:
-        old_decay, switch_to_old_step = (0.001, 0.3), 200
-
+    args = Args()
     policy, old, sampling = (rollout.lora_parameters(transformer, n) for n in ("policy", "old", "sampling"))
-    with torch.no_grad():
-        for p, o in zip(policy, old):
-            p.add_(1.0), o.sub_(1.0)
+
+    def move_apart():
+        with torch.no_grad():
+            for p, o in zip(policy, old):
+                p.add_(1.0), o.sub_(1.0)
+
+    move_apart()
+    update_snapshots(transformer, args, "optimizer_step", 1, 1)  # the first step: decay 0, an exact copy
+    assert all(torch.equal(o, p) for o, p in zip(old, policy))
+    move_apart()
     expected_old = [0.1 * o + 0.9 * p for o, p in zip(old, policy)]
-    assert update_snapshots(transformer, 100, Args, "iteration") == {}  # nothing at the end of an iteration
-    assert update_snapshots(transformer, 100, Args, "optimizer_step") == {"old": pytest.approx(0.1), "sampling": 0.0}
+    assert update_snapshots(transformer, args, "iteration", 26, 101) == {}  # nothing at the end of an iteration
+    assert update_snapshots(transformer, args, "optimizer_step", 26, 101) == {"old": pytest.approx(0.1), "sampling": 0.0}
     for o, e in zip(old, expected_old):
         torch.testing.assert_close(o, e)  # lerp and the written-out blend round differently near zero
     assert all(torch.equal(s, p) for s, p in zip(sampling, policy))  # before the switch: rollouts use the policy
-    update_snapshots(transformer, 200, Args, "optimizer_step")
-    assert all(torch.equal(s, o) for s, o in zip(sampling, old))  # from then on: the old adapter
+    move_apart()
+    update_snapshots(transformer, args, "optimizer_step", 50, 200)
+    assert all(torch.equal(s, p) for s, p in zip(sampling, policy))  # 200 steps done: still the policy
+    update_snapshots(transformer, args, "optimizer_step", 51, 201)
+    assert all(torch.equal(s, o) for s, o in zip(sampling, old))  # from the 201st on: the old adapter
     assert not all(torch.equal(s, p) for s, p in zip(sampling, policy))
 
 
@@ -127,3 +136,4 @@ def test_dgpo_differs_from_crd_only_in_docstring_algorithm_args_loss_and_ema():
             drift += [f"crd.py:{i + 1}: {crd_lines[i]}" for i in range(i1, i2) if i not in crd_allowed]
             drift += [f"dgpo.py:{j + 1}: {dgpo_lines[j]}" for j in range(j1, j2) if j not in dgpo_allowed]
     assert not drift, "crd.py and dgpo.py drifted apart outside the algorithm:\n" + "\n".join(drift)
+

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 from tensorboard_logs import scalars
 
+import crd
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
 TINY_RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data", str(DATA / "train.txt"),
@@ -106,6 +108,15 @@ def test_two_processes_train_like_one_process_on_the_same_global_batch(one_proce
     for tag in ("train/reward_mean", "train/reward_std", "charts/grad_norm"):
         logged, expected = scalars(two_processes, tag), scalars(one_process, tag)
         assert logged == pytest.approx(expected, rel=1e-4) and sorted(logged) == [1, 2], tag
+
+
+def test_snapshot_decays_count_two_steps_per_iteration_at_any_world_size(one_process, two_processes):
+    """Both runs take 1 optimizer step per iteration (test_trainers' runs take 2): the EMA schedules still read
+    k = 2 x iterations done."""
+    args = crd.Args()
+    for run in (one_process, two_processes):
+        assert scalars(run, "charts/decay_old") == pytest.approx({n: crd.ema_decay(2 * n, *args.old_decay) for n in (1, 2)})
+        assert scalars(run, "charts/decay_sampling") == pytest.approx({1: 0.0, 2: 0.0})
 
 
 def test_two_processes_log_the_losses_of_one_process(one_process, two_processes):

@@ -15,6 +15,8 @@ from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import crd
+import dgpo
 import rollout
 from tensorboard_logs import scalars
 
@@ -76,6 +78,19 @@ def test_smoke_run_writes_logs_checkpoints_and_summary(three_iterations):
     assert summary["train_images_per_s"] > 0 and summary["peak_mem_gib"]["actor cpu"] > 0
     state = json.loads((run / "global_step_3" / "trainer_state.json").read_text())
     assert state["iteration"] == 3 and state["args"]["num_iterations"] == 3 and state["sampler"]["position"] == 6
+
+
+def test_logged_decays_follow_each_algorithms_schedule(three_iteration_runs):
+    """2 optimizer steps per iteration here. CRD: both schedules at k = 2 x iterations done. DGPO: the old EMA's
+    decay after the last step of iteration n reads the 2n - 1 steps taken before it; the sampling adapter copies."""
+    logged = {(script, name): scalars(run, f"charts/decay_{name}") for script, run in three_iteration_runs.items()
+              for name in ("old", "sampling")}
+    args = crd.Args()
+    for n in (1, 2, 3):
+        assert logged["crd.py", "old"][n] == pytest.approx(crd.ema_decay(2 * n, *args.old_decay))
+        assert logged["crd.py", "sampling"][n] == pytest.approx(crd.ema_decay(2 * n, *args.sampling_decay))
+        assert logged["dgpo.py", "old"][n] == pytest.approx(dgpo.ema_decay(2 * n - 1, *dgpo.Args().old_decay))
+        assert logged["dgpo.py", "sampling"][n] == 0.0
 
 
 def test_exported_lora_loads_in_diffusers_and_matches_the_trainer(three_iterations, tiny_model_dir):
@@ -172,12 +187,20 @@ def test_bad_input_gives_a_clear_error(extra, message, tiny_model_dir, tmp_path)
 
 
 def test_nonfinite_gradients_skip_steps_then_stop_with_a_checkpoint(tiny_model_dir, tmp_path):
-    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 20, "--eval-every", 0,
-                   "--learning-rate", 1e30, "--max-nonfinite-steps", 3, check=False)
+    """At lr 1e30 the first step is taken and every later gradient is non-finite. A skipped step moves no adapter
+    and, with the schedules counting optimizer steps, does not count; after the second iteration, whose two steps
+    were both skipped, the run stops with all three adapters as the first iteration left them."""
+    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 20, "--eval-every", 0, "--save-every", 1,
+                   "--learning-rate", 1e30, "--max-nonfinite-steps", 3, "--ema-counts-optimizer-steps", check=False)
+    run = tmp_path / "run"
     assert result.returncode != 0 and "3 consecutive non-finite gradients" in result.stderr
     assert "non-finite gradient, optimizer step skipped" in result.stdout
-    assert sum(scalars(tmp_path / "run", "charts/skipped_steps").values()) == 3
-    assert len(list((tmp_path / "run").glob("global_step_*"))) == 1
+    assert scalars(run, "charts/skipped_steps") == {1: 1, 2: 2}  # of 2 steps per iteration
+    assert scalars(run, "charts/decay_old") == {1: pytest.approx(crd.ema_decay(1, *crd.Args().old_decay))}  # k = 1
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    first, last = (load_file(run / f"global_step_{n}" / "adapters.safetensors") for n in (1, 2))
+    assert first.keys() == last.keys() and [k for k in first if not torch.equal(first[k], last[k])] == []
+    assert any(not torch.equal(v, first["policy." + k[4:]]) for k, v in first.items() if k.startswith("old."))  # it lags
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
