@@ -218,6 +218,12 @@ def update_snapshots(transformer, args, event, iterations, steps):
         ema_update_(transformer, name, "policy", decay)
     return decays
 
+
+def train_timestep_grid(grid, args):
+    """The steps of the rollout grid that training draws from: all but the last, near-zero one."""
+    return grid[:-1]
+
+
 def group_advantages(rewards, group_size, global_std=True, clip=5.0):
     """A_i = (r_i - mean_group r) / (std + 1e-4), clipped to +-clip; std over every reward given, or per group."""
     groups = rewards.view(-1, group_size)
@@ -243,8 +249,10 @@ def check_args(args):
              f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
-    if not 1 <= args.num_train_timesteps <= args.num_steps - 1:
-        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, --num-steps - 1 = {args.num_steps - 1}]")
+    trainable = len(train_timestep_grid(range(args.num_steps), args))
+    if not 1 <= args.num_train_timesteps <= trainable:
+        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the trained steps of the "
+             f"{args.num_steps}-step rollout grid")
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
     for flag in ("device", "reward_device", "text_encoder_device"):
@@ -444,7 +452,7 @@ if __name__ == "__main__":
         # ALGO LOGIC: one optimizer step per micro batch of whole groups. Each group trains on T timesteps of the rollout
         # grid in random order; its timesteps and noise are seeded by its global index, so any world size agrees.
         x0 = rollout["latents"].to(device)  # (B,C,h,w) float32
-        grid = rollout["timesteps"][:-1].to(device)  # (num_steps - 1,): the near-zero last step is not trained
+        grid = train_timestep_grid(rollout["timesteps"], args).to(device)  # (trainable steps,)
         generator, b, timesteps, noise = torch.Generator(device), args.train_batch_size, [], []
         for first in range(0, B, G):
             generator.manual_seed((args.seed << 40) + (iteration << 20) + rank * B + first)

@@ -2,9 +2,10 @@
 
 The matched baseline of crd.py (Luo et al., arXiv 2510.08425): the same prompts, reward, rollouts, batch,
 timesteps and budget; only the loss and the EMA schedule of the snapshot adapters differ (`diff crd.py dgpo.py`).
+The defaults are the authors' recipe for CFG-free rollouts; their timestep window (t >= shift(0.3)) is an option.
 1. A Bradley-Terry preference between the positive (A > 0) and negative (A <= 0) halves of a prompt group, with
-   Diffusion-DPO implicit rewards from flow-matching errors against the frozen base model; weighting each image by
-   its advantage cancels the intractable log Z(c) across the two halves.
+   Diffusion-DPO implicit rewards from flow-matching errors against the frozen base model at CFG 4.5 (the reference
+   of CRD's KL anchor); weighting each image by its advantage cancels the intractable log Z(c) across the halves.
 2. One shared noise per group and timestep; the group's preference weight sigmoid(s_g) is detached, giving the
    gradient of -log sigmoid(-beta' sum_i A_i (d_i - d_ref_i)) in an all-reduce-friendly form.
 3. A PPO-style clip against the old adapter (an EMA updated after every optimizer step) and a velocity MSE to the
@@ -146,14 +147,18 @@ class Args:
     """continue a run from its runs/.../global_step_N directory"""
 
     # Algorithm: DGPO
+    # Defaults: official DGPO's OCR recipe for CFG-free rollouts, Luo-Yihong/DGPO 01ceb4b config/dgpo_wocfg.py
+    # general_ocr_sd3_4gpu (beta_dpo :34, clip_range :35, train.beta :110, kl_cfg :20, use_shared_noise :32,
+    # switch_ema_ref :33, trunc_steps :31) and scripts/train_sd3_dgpo.py (the old EMA :1176); README compares them
     beta_dpo: float = 100.0
     """beta of the group preference sigmoid(beta / |g| sum_g A_i (d_i - d_ref_i))"""
-    clip_range: float = 0.01
+    clip_range: float = 1e-3
     """the error of an image stops training once its ratio to the old adapter leaves [1 - clip, 1 + clip]"""
     ref_kl_coef: float = 0.02
     """weight of the velocity MSE to the base model"""
-    kl_cfg: float = 1.0
-    """CFG scale of the base model in the reference error and the MSE (1: conditional only)"""
+    kl_cfg: float = 4.5
+    """CFG scale (negative prompt "") of the base model in the reference error and the MSE; 1: conditional only
+    (the older setting: --kl-cfg 1 --clip-range 0.01)"""
     shared_group_noise: bool = True
     """use one training noise per group and timestep (else one per image)"""
     old_decay: tuple[float, float] = (0.001, 0.3)
@@ -161,10 +166,13 @@ class Args:
     optimizer steps taken before this one"""
     switch_to_old_step: int = 200
     """rollouts and validation use the policy until this many optimizer steps are taken, then the old adapter"""
+    timestep_window: int = 0
+    """train only the first N (noisiest) steps of the rollout grid (0: all but the last, CRD's timesteps); official:
+    7 (trunc_steps 6, t >= shift(0.3) on the 10-step grid) with --num-train-timesteps 4"""
 
 
 # ALGO LOGIC: the loss of one training timestep
-def dgpo_loss(v_theta, v_old, v_ref, target, advantages, group_size, beta_dpo=100.0, clip_range=0.01, ref_kl_coef=0.02):
+def dgpo_loss(v_theta, v_old, v_ref, target, advantages, group_size, beta_dpo=100.0, clip_range=1e-3, ref_kl_coef=0.02):
     """DGPO loss for whole prompt groups at one timestep (SPEC §5): the gradient-equivalent form of
     -log sigmoid(-beta' sum_g A_i (d_i - d_ref_i)) with beta' = beta_dpo / |g|, plus a velocity MSE to the base.
 
@@ -210,6 +218,13 @@ def update_snapshots(transformer, args, event, iterations, steps):
     return decays
 
 
+def train_timestep_grid(grid, args):
+    """The steps of the rollout grid that training draws from: all but the last, near-zero one (CRD's), or the first
+    `timestep_window` (official: the first trunc_steps + 1, train_sd3_dgpo.py:1063)."""
+    if not 0 <= args.timestep_window <= len(grid):
+        fail(f"--timestep-window {args.timestep_window} must lie in [0, --num-steps = {len(grid)}]")
+    return grid[: args.timestep_window] if args.timestep_window else grid[:-1]
+
 
 def group_advantages(rewards, group_size, global_std=True, clip=5.0):
     """A_i = (r_i - mean_group r) / (std + 1e-4), clipped to +-clip; std over every reward given, or per group."""
@@ -236,8 +251,10 @@ def check_args(args):
              f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
-    if not 1 <= args.num_train_timesteps <= args.num_steps - 1:
-        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, --num-steps - 1 = {args.num_steps - 1}]")
+    trainable = len(train_timestep_grid(range(args.num_steps), args))
+    if not 1 <= args.num_train_timesteps <= trainable:
+        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the trained steps of the "
+             f"{args.num_steps}-step rollout grid")
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
     for flag in ("device", "reward_device", "text_encoder_device"):
@@ -437,7 +454,7 @@ if __name__ == "__main__":
         # ALGO LOGIC: one optimizer step per micro batch of whole groups. Each group trains on T timesteps of the rollout
         # grid in random order; its timesteps and noise are seeded by its global index, so any world size agrees.
         x0 = rollout["latents"].to(device)  # (B,C,h,w) float32
-        grid = rollout["timesteps"][:-1].to(device)  # (num_steps - 1,): the near-zero last step is not trained
+        grid = train_timestep_grid(rollout["timesteps"], args).to(device)  # (trainable steps,)
         generator, b, timesteps, noise = torch.Generator(device), args.train_batch_size, [], []
         for first in range(0, B, G):
             generator.manual_seed((args.seed << 40) + (iteration << 20) + rank * B + first)

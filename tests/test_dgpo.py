@@ -1,20 +1,29 @@
 """dgpo.py's loss and EMA schedule, and the rule that dgpo.py stays a sibling copy of crd.py."""
 
 import difflib
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import crd
 import rollout
-from dgpo import Args, dgpo_loss, ema_decay, update_snapshots
+from dgpo import Args, check_args, dgpo_loss, ema_decay, train_timestep_grid, update_snapshots
 
 ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data" / "ocr"
+TINY_RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data", str(DATA / "train.txt"),
+            "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
+            "--num-iterations", "1", "--eval-every", "0", "--run-name", "run"]
 G = 4
 
 
-def reference_dgpo_loss(v_theta, v_old, v_ref, u, adv, group_size, beta=100.0, eps=0.01, kl_coef=0.02):
+def reference_dgpo_loss(v_theta, v_old, v_ref, u, adv, group_size, beta=100.0, eps=1e-3, kl_coef=0.02):
     """SPEC §5 written out sample by sample in float64 (the value; stop-gradients do not change it)."""
     v_theta, v_old, v_ref, u, adv = (x.double() for x in (v_theta, v_old, v_ref, u, adv))
     n = len(adv)
@@ -137,3 +146,66 @@ def test_dgpo_differs_from_crd_only_in_docstring_algorithm_args_loss_and_ema():
             drift += [f"dgpo.py:{j + 1}: {dgpo_lines[j]}" for j in range(j1, j2) if j not in dgpo_allowed]
     assert not drift, "crd.py and dgpo.py drifted apart outside the algorithm:\n" + "\n".join(drift)
 
+
+def test_timestep_window_is_the_grid_steps_at_or_above_shift_0_3(tiny_pipe):
+    """Official DGPO trains the first trunc_steps + 1 = 7 grid steps, which its config calls t >= shift(0.3); on
+    the 10-step grid of SD3's shifted scheduler those are exactly the steps with t >= 1000 shift(0.3)."""
+    scheduler = tiny_pipe.scheduler
+    scheduler.set_timesteps(10)
+    grid, shift = scheduler.timesteps.float(), scheduler.config.shift
+    t_min = 1000 * shift * 0.3 / (1 + (shift - 1) * 0.3)  # 562.5 at shift 3
+    assert torch.equal(train_timestep_grid(grid, Args(timestep_window=7)), grid[grid >= t_min])
+    assert torch.equal(train_timestep_grid(grid, Args()), grid[:-1])  # the default: CRD's 9 timesteps
+    assert torch.equal(train_timestep_grid(grid, Args()), crd.train_timestep_grid(grid, crd.Args()))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(timestep_window=7, num_train_timesteps=8), "--num-train-timesteps 8 must lie in [1, 7]"),
+    (dict(timestep_window=11), "--timestep-window 11 must lie in [0, --num-steps = 10]"),
+    (dict(timestep_window=-1), "--timestep-window -1 must lie in [0, --num-steps = 10]"),
+])
+def test_bad_timestep_window_is_named(flags, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        check_args(Args(train_batch_size=6, **flags))  # as resolved from 0 before the check
+
+
+# Runs dgpo.py unchanged as __main__, then saves the last training step's inputs and reference velocities.
+# Usage: python WRAPPER ROOT OUT_FILE [dgpo.py arguments...]
+STEP_DUMP = """
+import runpy, sys
+from pathlib import Path
+from safetensors.torch import save_file
+root, out = Path(sys.argv[1]), sys.argv[2]
+sys.argv = [str(root / "dgpo.py"), *sys.argv[3:]]
+sys.path.insert(0, str(root))
+run = runpy.run_path(str(root / "dgpo.py"), run_name="__main__")
+image = run["image"]
+save_file({"grid": run["rollout"]["timesteps"], "timesteps": run["timesteps"], "noisy": run["noisy"],
+           "embeds": run["embeds"][image], "pooled": run["pooled"][image], "v_ref": run["v_ref"]}, out)
+"""
+
+
+def test_the_loop_trains_the_window_against_the_cfg_guided_base(tiny_model_dir, tiny_pipe, tmp_path):
+    """One iteration of dgpo.py with the official window: each group trains the first 7 grid steps (all of them here,
+    so that any step outside the window shows), and the reference velocities (d_ref and the MSE) are the base
+    model's at CFG 4.5 with negative ""."""
+    wrapper = tmp_path / "step_dump.py"
+    wrapper.write_text(STEP_DUMP)
+    cmd = [sys.executable, str(wrapper), str(ROOT), str(tmp_path / "step.safetensors"), *TINY_RUN,
+           "--output-dir", str(tmp_path), "--timestep-window", "7", "--num-train-timesteps", "7"]
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    step = load_file(tmp_path / "step.safetensors")
+    per_group = step["timesteps"].view(-1, 7, G)  # micro_batch_rows: (groups, T, G) with one group per micro batch
+    assert (per_group == per_group[..., :1]).all()  # shared by the members of a group
+    for group in per_group[..., 0]:
+        assert sorted(group.tolist(), reverse=True) == step["grid"][:7].tolist()
+    base, n = tiny_pipe.transformer, len(step["noisy"])
+    empty, empty_pooled = rollout.encode_prompts(tiny_pipe, [""] * n)
+    with torch.no_grad():
+        v_cond = base(hidden_states=step["noisy"], timestep=step["timesteps"], encoder_hidden_states=step["embeds"],
+                      pooled_projections=step["pooled"], return_dict=False)[0]
+        v_unc = base(hidden_states=step["noisy"], timestep=step["timesteps"], encoder_hidden_states=empty,
+                     pooled_projections=empty_pooled, return_dict=False)[0]
+    torch.testing.assert_close(step["v_ref"], v_unc + 4.5 * (v_cond - v_unc), rtol=1e-4, atol=1e-4)

@@ -174,7 +174,7 @@ def test_sigterm_finishes_the_iteration_and_saves(tmp_path, tiny_model_dir):
     (["--train-batch-size", "6"], "--train-batch-size 6 must be a multiple of --group-size 4"),
     (["--group-size", "1"], "centering needs at least 2"),
     (["--resolution", "60"], "not a multiple of 16"),
-    (["--num-train-timesteps", "10"], "--num-train-timesteps 10 must lie in [1, --num-steps - 1 = 9]"),
+    (["--num-train-timesteps", "10"], "--num-train-timesteps 10 must lie in [1, 9]: the trained steps of the 10-step"),
     (["--train-data", "missing/train.jsonl"], "missing/train.jsonl: prompt file not found"),
     (["--model", "/nonexistent/sd35"], "could not load the SD3 model '/nonexistent/sd35'"),
     (["--reward", "ocr"], "--reward ocr: choose one of"),
