@@ -161,8 +161,8 @@ class Args:
     # schedules, evaluated at src/flow_factory/trainers/crd.py:412,425 on its optimizer-step count (incremented at
     # :858), which takes 2 steps per rollout round there (default.yaml:85: gradient_step_per_epoch 2)
     old_decay: tuple[float, float, float, float] = (0, 0.25, 0.005, 0.999)
-    """EMA of the old adapter after each iteration: (start k, initial decay, slope per k, max decay), where k counts
-    2 per iteration (see --ema-counts-optimizer-steps)"""
+    """EMA of the old adapter after each iteration: (start k, initial decay, slope per k, max decay);
+    k counts 2 per iteration (see --ema-counts-optimizer-steps)"""
     sampling_decay: tuple[float, float, float, float] = (75, 0.0, 0.0075, 0.999)
     """EMA of the sampling adapter after each iteration, as --old-decay (initial decay 0: a copy of the policy)"""
     ema_counts_optimizer_steps: bool = False
