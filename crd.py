@@ -157,9 +157,7 @@ class Args:
     """CFG scale of the base model in the KL anchor"""
     shared_group_noise: bool = False
     """use one training noise per group and timestep (else one per image)"""
-    # Flow-Factory (X-GenGroup/Flow-Factory a0b2bc5) examples/crd/lora/sd3_5/default.yaml:55-56, the paper's OCR
-    # schedules, evaluated at src/flow_factory/trainers/crd.py:412,425 on its optimizer-step count (incremented at
-    # :858), which takes 2 steps per rollout round there (default.yaml:85: gradient_step_per_epoch 2)
+    # Flow-Factory's OCR example (examples/crd/lora/sd3_5/default.yaml:55-56, 85): README "EMA snapshots"
     old_decay: tuple[float, float, float, float] = (0, 0.25, 0.005, 0.999)
     """EMA of the old adapter after each iteration: (start k, initial decay, slope per k, max decay);
     k counts 2 per iteration (see --ema-counts-optimizer-steps)"""
@@ -207,9 +205,8 @@ SNAPSHOT_EVENT = "iteration"  # the old adapter stays fixed through an iteration
 
 
 def update_snapshots(transformer, args, event, iterations, steps):
-    """CRD: after every iteration, the old and sampling adapters move toward the policy by their own schedules,
-    evaluated at k = 2 x iterations done (Flow-Factory's step count after an epoch of 2 optimizer steps) or, with
-    --ema-counts-optimizer-steps, at the optimizer steps taken."""
+    """CRD: after every iteration, the old and sampling adapters move toward the policy by their own schedules at
+    k = 2 x iterations done (Flow-Factory's step count after 2 steps per round) or the optimizer steps taken."""
     if event != SNAPSHOT_EVENT:
         return {}
     k = steps if args.ema_counts_optimizer_steps else 2 * iterations

@@ -147,9 +147,7 @@ class Args:
     """continue a run from its runs/.../global_step_N directory"""
 
     # Algorithm: DGPO
-    # Defaults: official DGPO's OCR recipe for CFG-free rollouts, Luo-Yihong/DGPO 01ceb4b config/dgpo_wocfg.py
-    # general_ocr_sd3_4gpu (beta_dpo :34, clip_range :35, train.beta :110, kl_cfg :20, use_shared_noise :32,
-    # switch_ema_ref :33, trunc_steps :31) and scripts/train_sd3_dgpo.py (the old EMA :1176); README compares them
+    # Official DGPO's OCR recipe for CFG-free rollouts (config/dgpo_wocfg.py): README, "Choices where the sources differ"
     beta_dpo: float = 100.0
     """beta of the group preference sigmoid(beta / |g| sum_g A_i (d_i - d_ref_i))"""
     clip_range: float = 1e-3
