@@ -1,6 +1,7 @@
 """Flow-GRPO OCR prompts: txt -> jsonl conversion, loading, and the prompt-group sampler.
 
-    python data.py --input-dir DIR --output-dir DIR      # DIR/{train,test}.txt -> DIR/{train,test}.jsonl
+    python data.py --input DIR --output-dir OUT          # DIR/{train,test}.txt -> OUT/{train,test}.jsonl
+    python data.py --input A.txt B.txt --output-dir OUT  # -> OUT/A.jsonl, OUT/B.jsonl
 
 Each record is {"prompt": ..., "target": ...}, the target being the text inside the first pair of double quotes.
 This module holds no algorithm logic: it only decides which prompts each rank renders in each iteration.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -22,51 +24,84 @@ class DataError(ValueError):
 
 
 def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[dict], int]:
-    """Read a .jsonl (records with "prompt", optional "target") or a raw .txt (one prompt per line).
+    """Read a .jsonl (objects with a "prompt" string and an optional "target" string) or a raw .txt (one prompt a line).
 
-    Empty lines are ignored. Returns the records and how many lines were skipped for having no quoted target
-    (an error instead, naming file and line, unless `skip_untargeted`).
+    Empty lines are ignored. Each record is {"prompt", "target", "source"}, the source being its "file:line" for
+    later messages. A line without a target, or with an empty one (`""`, which a blank image would match), is an
+    error naming file and line, unless `skip_untargeted`: then it is skipped and counted. Returns the records and
+    the number skipped.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: prompt file not found")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}); save the file as UTF-8") from None
     records, skipped = [], 0
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    record = json.loads(line)
-                    prompt = record["prompt"]
-                except (json.JSONDecodeError, KeyError, TypeError) as error:
-                    raise DataError(f"{path}:{number}: not a JSON object with a 'prompt' ({error})") from None
-                target = record.get("target", extract_target(prompt))
-            else:
-                prompt = line.strip()
-                target = extract_target(prompt)
+    for number, line in enumerate(text.split("\n"), start=1):
+        where = f"{path}:{number}"
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+                prompt, target = record["prompt"], record.get("target")
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+                raise DataError(f"{where}: not a JSON object with a 'prompt' ({error})") from None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise DataError(f"{where}: 'prompt' must be a non-empty string, not {prompt!r:.60}")
             if target is None:
-                if not skip_untargeted:
-                    raise DataError(f"{path}:{number}: no quoted target text in prompt {prompt[:80]!r}")
-                skipped += 1
-                continue
-            records.append({"prompt": prompt, "target": target})
+                target = extract_target(prompt)
+            elif not isinstance(target, str):
+                raise DataError(f"{where}: 'target' must be a string, not {target!r:.60}")
+        else:
+            prompt = line.strip()
+            target = extract_target(prompt)
+        if target is None or not target.strip():
+            if not skip_untargeted:
+                what = "no quoted target text" if target is None else "an empty target text"
+                raise DataError(f"{where}: {what} in prompt {prompt[:80]!r}")
+            skipped += 1
+            continue
+        records.append({"prompt": prompt, "target": target, "source": where})
     if not records:
         raise DataError(f"{path}: no prompts")
     return records, skipped
 
 
-def convert(input_dir: str | Path, output_dir: str | Path, skip_untargeted: bool = False) -> dict[str, tuple[int, int]]:
-    """Convert input_dir/{train,test}.txt to output_dir/{train,test}.jsonl; returns {split: (written, skipped)}."""
+def convert(inputs: list[str | Path], output_dir: str | Path, skip_untargeted: bool = False) -> dict[str, tuple[int, int]]:
+    """Convert prompt files to output_dir/{name}.jsonl; returns {name: (written, skipped)}.
+
+    Each input is a .txt or .jsonl file (name: its stem) or a folder holding Flow-GRPO's train.txt and test.txt.
+    Every input is read and checked before anything is written, and each output is written whole or not at all.
+    """
+    files = [f for p in map(Path, inputs) for f in ([p / "train.txt", p / "test.txt"] if p.is_dir() else [p])]
+    loaded = {}
+    for file in files:
+        if file.stem in loaded:
+            raise DataError(f"{file}: another input is also named {file.stem!r}; both would write {file.stem}.jsonl")
+        loaded[file.stem] = load_prompts(file, skip_untargeted)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise DataError(f"output directory {output_dir} is a file")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DataError(f"output directory {output_dir}: {error.strerror or error}") from None
     counts = {}
-    for split in ("train", "test"):
-        records, skipped = load_prompts(Path(input_dir) / f"{split}.txt", skip_untargeted)
-        partial = output_dir / f".{split}.jsonl.tmp"
-        partial.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-        partial.replace(output_dir / f"{split}.jsonl")
-        counts[split] = (len(records), skipped)
+    for name, (records, skipped) in loaded.items():
+        partial, final = output_dir / f".{name}.jsonl.tmp", output_dir / f"{name}.jsonl"
+        lines = [json.dumps({"prompt": r["prompt"], "target": r["target"]}, ensure_ascii=False) + "\n" for r in records]
+        try:
+            partial.write_text("".join(lines), encoding="utf-8")
+            os.replace(partial, final)  # atomic: a reader sees the old file or the whole new one
+        except OSError as error:
+            partial.unlink(missing_ok=True)
+            raise DataError(f"{final}: not written ({error.strerror or error})") from None
+        counts[name] = (len(records), skipped)
     return counts
 
 
@@ -106,12 +141,14 @@ class GroupSampler:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input-dir", required=True, help="folder with Flow-GRPO's train.txt and test.txt")
-    parser.add_argument("--output-dir", required=True, help="where train.jsonl and test.jsonl are written")
-    parser.add_argument("--skip-untargeted", action="store_true", help="skip (and count) lines with no quoted target")
+    parser.add_argument("--input", nargs="+", required=True, help="prompt files (.txt, one prompt a line, or .jsonl), "
+                        "or folders holding Flow-GRPO's train.txt and test.txt")
+    parser.add_argument("--output-dir", required=True, help="where {name}.jsonl is written for each input file")
+    parser.add_argument("--skip-untargeted", action="store_true",
+                        help="skip (and count) lines with no quoted target or an empty one")
     cli = parser.parse_args()
     try:
-        for split, (written, skipped) in convert(cli.input_dir, cli.output_dir, cli.skip_untargeted).items():
-            print(f"{split}: {written} prompts written" + (f", {skipped} lines without a quoted target skipped" if skipped else ""))
+        for name, (written, skipped) in convert(cli.input, cli.output_dir, cli.skip_untargeted).items():
+            print(f"{name}: {written} prompts written" + (f", {skipped} lines without a quoted target skipped" if skipped else ""))
     except DataError as error:
         parser.exit(1, f"data.py: error: {error}\n")

@@ -20,18 +20,20 @@ def write(path: Path, text: str) -> Path:
 
 
 def test_convert_sample_in_flow_grpo_format(tmp_path):
-    counts = convert(SAMPLE, tmp_path)
+    counts = convert([SAMPLE], tmp_path)
     assert counts == {"train": (40, 0), "test": (8, 0)}
     records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert records[0] == {
         "prompt": 'A vintage wooden sign hanging above a bakery door that reads "Fresh Bread Daily"',
         "target": "Fresh Bread Daily",
     }
-    assert load_prompts(tmp_path / "train.jsonl")[0] == load_prompts(SAMPLE / "train.txt")[0]
+    from_jsonl, from_txt = load_prompts(tmp_path / "train.jsonl")[0], load_prompts(SAMPLE / "train.txt")[0]
+    assert [(r["prompt"], r["target"]) for r in from_jsonl] == [(r["prompt"], r["target"]) for r in from_txt]
+    assert from_txt[2]["source"] == f"{SAMPLE / 'train.txt'}:3"  # where each record came from, for later messages
 
 
 def test_cli_converts_and_reports(tmp_path):
-    out = subprocess.run([sys.executable, "data.py", "--input-dir", str(SAMPLE), "--output-dir", str(tmp_path)],
+    out = subprocess.run([sys.executable, "data.py", "--input", str(SAMPLE), "--output-dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     assert "train: 40 prompts written" in out.stdout and (tmp_path / "test.jsonl").is_file()
 
@@ -40,10 +42,10 @@ def test_missing_target_names_file_and_line(tmp_path):
     write(tmp_path / "train.txt", 'A sign "One"\n\nA sign with nothing quoted\n')
     write(tmp_path / "test.txt", 'A sign "Two"\n')
     with pytest.raises(DataError, match=r"train\.txt:3: no quoted target"):
-        convert(tmp_path, tmp_path / "out")
+        convert([tmp_path], tmp_path / "out")
     assert not (tmp_path / "out" / "train.jsonl").exists()
-    assert convert(tmp_path, tmp_path / "out", skip_untargeted=True)["train"] == (1, 1)
-    cli = subprocess.run([sys.executable, "data.py", "--input-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")],
+    assert convert([tmp_path], tmp_path / "out", skip_untargeted=True)["train"] == (1, 1)
+    cli = subprocess.run([sys.executable, "data.py", "--input", str(tmp_path), "--output-dir", str(tmp_path / "o")],
                          cwd=ROOT, capture_output=True, text=True)
     assert cli.returncode == 1 and "train.txt:3" in cli.stderr and "Traceback" not in cli.stderr
 
@@ -51,7 +53,7 @@ def test_missing_target_names_file_and_line(tmp_path):
 def test_missing_file_is_named(tmp_path):
     write(tmp_path / "train.txt", 'A sign "One"\n')
     with pytest.raises(DataError, match=r"test\.txt: prompt file not found"):
-        convert(tmp_path, tmp_path / "out")
+        convert([tmp_path], tmp_path / "out")
 
 
 def test_bad_jsonl_line_is_named(tmp_path):
@@ -60,10 +62,85 @@ def test_bad_jsonl_line_is_named(tmp_path):
         load_prompts(path)
 
 
+def data_cli(*args):
+    return subprocess.run([sys.executable, "data.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+
+
+def assert_one_line_error(result, message):
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("p.txt", 'A sign "One"\nA sign that reads ""\n', r'p\.txt:2: an empty target text in prompt .A sign that reads ""'),
+    ("p.txt", 'A sign "One"\nA sign that reads "  "\n', r"p\.txt:2: an empty target"),
+    ("p.jsonl", '{"prompt": "a \\"b\\""}\n{"prompt": "a sign", "target": ""}\n', r"p\.jsonl:2: an empty target"),
+])
+def test_empty_target_is_rejected_with_file_and_line(tmp_path, name, text, message):
+    """An empty target scores 1 for a blank image (nothing to read, nothing missing): never train on one."""
+    path = write(tmp_path / name, text)
+    with pytest.raises(DataError, match=message):
+        load_prompts(path)
+    assert load_prompts(path, skip_untargeted=True)[1] == 1
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": 123}', "p.jsonl:2: 'prompt' must be a non-empty string, not 123"),
+    ('{"prompt": "a sign \\"Hi\\"", "target": 5}', "p.jsonl:2: 'target' must be a string, not 5"),
+    ('{"prompt": ""}', "p.jsonl:2: 'prompt' must be a non-empty string"),
+    ('["prompt"]', "p.jsonl:2: not a JSON object with a 'prompt'"),
+])
+def test_wrongly_typed_jsonl_fields_are_named(tmp_path, line, message):
+    path = write(tmp_path / "p.jsonl", '{"prompt": "a \\"b\\""}\n' + line + "\n")
+    with pytest.raises(DataError) as error:
+        load_prompts(path)
+    assert str(error.value).startswith(str(tmp_path / message))
+
+
+def test_a_non_utf8_file_is_named_with_its_line(tmp_path):
+    write(tmp_path / "in" / "train.txt", 'A sign "One"\n')
+    (tmp_path / "in" / "test.txt").write_bytes('A sign "One"\nUn café "Crème"\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"test\.txt:2: not UTF-8 text \(byte 0xe9\)"):
+        load_prompts(tmp_path / "in" / "test.txt")
+    assert_one_line_error(data_cli("--input", tmp_path / "in", "--output-dir", tmp_path / "out"), "test.txt:2: not UTF-8")
+
+
+def test_convert_single_files(tmp_path):
+    write(tmp_path / "a.txt", 'A sign "One"\n')
+    write(tmp_path / "b.jsonl", '{"prompt": "A sign", "target": "Two"}\n')
+    assert convert([tmp_path / "a.txt"], tmp_path / "out") == {"a": (1, 0)}
+    result = data_cli("--input", tmp_path / "a.txt", tmp_path / "b.jsonl", "--output-dir", tmp_path / "out")
+    assert result.returncode == 0 and "a: 1 prompts written" in result.stdout and "b: 1 prompts written" in result.stdout
+    assert json.loads((tmp_path / "out" / "b.jsonl").read_text()) == {"prompt": "A sign", "target": "Two"}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.jsonl", "b.jsonl"]  # no temporary file left
+    with pytest.raises(DataError, match="another input is also named 'a'"):
+        convert([tmp_path / "a.txt", write(tmp_path / "x" / "a.txt", 'A "B"\n')], tmp_path / "out")
+
+
+def test_nothing_is_written_unless_every_input_is_good(tmp_path):
+    write(tmp_path / "in" / "train.txt", 'A sign "One"\n')
+    write(tmp_path / "in" / "test.txt", 'A sign "Two"\nno target here\n')
+    write(tmp_path / "out" / "train.jsonl", "earlier\n")
+    with pytest.raises(DataError, match=r"test\.txt:2"):
+        convert([tmp_path / "in"], tmp_path / "out")
+    assert (tmp_path / "out" / "train.jsonl").read_text() == "earlier\n"  # not replaced by half of a conversion
+    with pytest.raises(DataError, match="no-such-dir: prompt file not found"):
+        convert([tmp_path / "no-such-dir"], tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_output_dir_naming_a_file_is_one_line(tmp_path):
+    write(tmp_path / "in" / "train.txt", 'A sign "One"\n')
+    write(tmp_path / "in" / "test.txt", 'A sign "Two"\n')
+    taken = write(tmp_path / "taken", "a file\n")
+    assert_one_line_error(data_cli("--input", tmp_path / "in", "--output-dir", taken), f"output directory {taken} is a file")
+    assert_one_line_error(data_cli("--input", tmp_path / "in", "--output-dir", taken / "sub"), f"output directory {taken / 'sub'}")
+
+
 def test_empty_lines_ignored_and_unicode_round_trip(tmp_path):
     write(tmp_path / "train.txt", '\n  \nUn café qui dit "Crème Brûlée"\n\nA lantern reading "北京欢迎你"\n')
     write(tmp_path / "test.txt", 'A sign "Ünïcödé ✓"\n')
-    convert(tmp_path, tmp_path / "out")
+    convert([tmp_path], tmp_path / "out")
     records, skipped = load_prompts(tmp_path / "out" / "train.jsonl")
     assert skipped == 0 and [r["target"] for r in records] == ["Crème Brûlée", "北京欢迎你"]
     assert load_prompts(tmp_path / "out" / "test.jsonl")[0][0]["target"] == "Ünïcödé ✓"
