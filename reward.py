@@ -190,7 +190,11 @@ class QwenVLScorer:
 
 
 class VLLMScorer:
-    """Client for `vllm serve <model>`: one OpenAI chat-completions request per image, round-robin over servers."""
+    """Client for `vllm serve <model>`: one OpenAI chat-completions request per image, round-robin over servers.
+
+    Each server is asked for its models when the scorer is built, so that a missing, silent or wrong server is an
+    error before any model is loaded rather than after a rollout.
+    """
 
     def __init__(self, urls: list[str], model: str, concurrency: int, max_new_tokens: int, timeout: float, max_retries: int):
         import requests
@@ -202,6 +206,28 @@ class VLLMScorer:
         self.timeout, self.max_retries = timeout, max_retries
         self.backoff = 0.25  # seconds before the first retry, doubled for each further one
         self.counter = itertools.count()  # next() on it is atomic under the GIL, so threads share it safely
+        for url in self.urls:
+            self.check_server(url)
+
+    def check_server(self, url: str) -> None:
+        """GET /v1/models: the server answers within the timeout and serves self.model, else a ServerError."""
+        try:
+            response = self.requests.get(f"{url}/v1/models", timeout=self.timeout)
+        except self.requests.Timeout:  # before ConnectionError: a connect timeout is both
+            raise ServerError(f"vLLM server {url} did not answer GET /v1/models within {self.timeout:g} s") from None
+        except self.requests.ConnectionError as e:
+            raise ServerError(f"no vLLM server at {url} ({type(e).__name__}); start one with "
+                              f"`vllm serve {self.model}`, or pass the URL of a running one") from None
+        try:
+            served = [entry["id"] for entry in response.json()["data"]] if response.status_code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            served = None
+        if served is None:
+            raise ServerError(f"{url} is not an OpenAI-compatible server: GET /v1/models gave HTTP "
+                              f"{response.status_code} {response.text[:100]!r}")
+        if self.model not in served:
+            raise ServerError(f"vLLM server {url} serves {', '.join(map(repr, served)) or 'no model'}, "
+                              f"not the reward model {self.model!r}")
 
     def transcribe(self, image: Image.Image) -> str:
         url = self.urls[next(self.counter) % len(self.urls)]

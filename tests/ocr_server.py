@@ -2,7 +2,9 @@
 
     with ocr_server(read=paddle.read, delay=0.0, fail_first=0) as (url, server):   # url = "http://127.0.0.1:<port>"
         ...                                                                        # server.requests: requests so far
-`delay` sleeps before each answer (to trigger client timeouts); `fail_first` answers the first n requests with 500.
+GET /v1/models lists `model` (vLLM's default served name is the model's hub id). `delay` sleeps before each chat
+completion (to trigger client timeouts); `fail_first` answers the first n of them with `fail_status`; `silent` accepts
+connections but never answers any request, like a hung server.
 """
 
 from __future__ import annotations
@@ -29,19 +31,29 @@ class _Server(ThreadingHTTPServer):
 
 
 @contextmanager
-def ocr_server(read, delay: float = 0.0, fail_first: int = 0):
-    """Serve POST /v1/chat/completions in a thread until the block exits; yields (base URL, server)."""
-    lock = threading.Lock()
+def ocr_server(read, delay: float = 0.0, fail_first: int = 0, fail_status: int = 500,
+               model: str = "Qwen/Qwen2.5-VL-3B-Instruct", silent: bool = False):
+    """Serve GET /v1/models and POST /v1/chat/completions in a thread until the block exits; yields (base URL, server)."""
+    lock, closing = threading.Lock(), threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if silent:
+                return closing.wait()
+            if self.path != "/v1/models":
+                return self.reply(404, {"error": "not found"})
+            self.reply(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
+
         def do_POST(self):
+            if silent:
+                return closing.wait()
             with lock:
                 server.requests += 1
                 fail = server.requests <= fail_first
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             time.sleep(delay)
             if fail or self.path != "/v1/chat/completions":
-                return self.reply(500 if fail else 404, {"error": "injected failure" if fail else "not found"})
+                return self.reply(fail_status if fail else 404, {"error": "injected failure" if fail else "not found"})
             parts = body["messages"][0]["content"]
             url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
             assert url.startswith("data:image/png;base64,")
@@ -69,6 +81,7 @@ def ocr_server(read, delay: float = 0.0, fail_first: int = 0):
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", server
     finally:
+        closing.set()
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)

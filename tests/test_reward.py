@@ -202,9 +202,26 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_vllm_server_down_is_clear():
+def test_vllm_scorer_probes_its_servers_when_built(paddle):
     url = closed_port_url()
-    scorer = make_scorer("vllm", urls=[url], timeout=1.0, max_retries=1)
+    with pytest.raises(ServerError, match=f"no vLLM server at {url} .ConnectionError.; start one with `vllm serve"):
+        make_scorer("vllm", urls=[url], timeout=1.0, max_retries=1)
+    with ocr_server(paddle.read, silent=True) as (silent_url, _):  # accepts connections, never answers
+        start = time.monotonic()
+        with pytest.raises(ServerError, match=f"{silent_url} did not answer GET /v1/models within 0.5 s"):
+            make_scorer("vllm", urls=[silent_url], timeout=0.5)
+        assert time.monotonic() - start < 3
+    with ocr_server(paddle.read, model="Qwen/Qwen2.5-VL-7B-Instruct") as (other_url, server):
+        with pytest.raises(ServerError, match="serves 'Qwen/Qwen2.5-VL-7B-Instruct', not the reward model 'Qwen/Qwen2.5-VL-3B"):
+            make_scorer("vllm", urls=[other_url])
+        with pytest.raises(ServerError, match="not an OpenAI-compatible server: GET /v1/models gave HTTP 404"):
+            make_scorer("vllm", urls=[other_url + "/wrong/prefix"], model_path="Qwen/Qwen2.5-VL-7B-Instruct")
+        assert server.requests == 0  # no image was sent
+
+
+def test_vllm_server_that_goes_down_is_retried_then_clear(paddle):
+    with ocr_server(paddle.read) as (url, _):
+        scorer = make_scorer("vllm", urls=[url], timeout=1.0, max_retries=1)
     start = time.monotonic()
     with pytest.raises(ServerError, match=f"{url}.*2 attempts.*ConnectionError"):
         scorer([centred("A")], ["A"])
@@ -230,9 +247,9 @@ def test_vllm_retries_after_500(paddle):
 
 
 def test_vllm_client_error_is_not_retried(paddle):
-    with ocr_server(paddle.read) as (url, server):
-        scorer = make_scorer("vllm", urls=[url + "/wrong/prefix"], timeout=30, max_retries=3)
-        with pytest.raises(ServerError, match="rejected the request: HTTP 404"):
+    with ocr_server(paddle.read, fail_first=1, fail_status=400) as (url, server):
+        scorer = make_scorer("vllm", urls=[url], timeout=30, max_retries=3)
+        with pytest.raises(ServerError, match="rejected the request: HTTP 400"):
             scorer([centred("A")], ["A"])
         assert server.requests == 1
 
