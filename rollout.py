@@ -11,6 +11,7 @@ optimizer lives here. One transformer carries three LoRA adapters (trainable `po
         out = sample(pipe, embeds, pooled, seeds)          # {"latents", "images", "timesteps", "sigmas"}
 """
 
+import logging
 import math
 import os
 import re
@@ -23,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
@@ -31,6 +31,12 @@ from tokenizers import pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
                           T5Tokenizer)
+
+# Without torchvision, transformers warns at the SD3 pipeline's import that its image processors fall back to PIL
+# ones; the pipeline does not use them, and the qwen-vl scorer loads the PIL one by name.
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: "requires torchvision" not in record.getMessage())
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: E402
 
 TINY = "tiny"
 RANDOM_MEDIUM = "random-sd3.5-medium"
@@ -132,6 +138,23 @@ def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
     return path
 
 
+def check_model_path(model: str) -> None:
+    """A RuntimeError naming `model` when it is meant as a local directory and is not one holding a diffusers pipeline.
+
+    Meant as a directory: anything but a hub id `name` or `org/name`, and a hub-id-like path that exists, in whole
+    or its first part (`models/sd35` with a local `models/`). TINY and RANDOM_MEDIUM pass.
+    """
+    path = Path(model).expanduser()
+    hub_id = re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", model) is not None
+    partly_local = "/" in model and Path(model.split("/")[0]).is_dir()
+    if model in (TINY, RANDOM_MEDIUM) or (hub_id and not path.exists() and not partly_local):
+        return
+    if not path.is_dir():
+        raise RuntimeError(f"--model {model}: " + ("not a directory" if path.exists() else "no such directory"))
+    if not (path / "model_index.json").is_file():
+        raise RuntimeError(f"--model {model}: no model_index.json in this directory, so not a diffusers pipeline")
+
+
 def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                   cache_dir: str | Path | None = None,
                   text_encoder_device: str | torch.device | None = None) -> StableDiffusion3Pipeline:
@@ -153,10 +176,11 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
         finally:
             torch.set_default_dtype(default_dtype)
     else:
-        path = _tiny_model_dir(cache_dir) if model == TINY else model
+        check_model_path(model)
+        path = _tiny_model_dir(cache_dir) if model == TINY else os.path.expanduser(model)
         try:
             pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, KeyError) as e:  # KeyError: a model_index.json without what diffusers needs
             raise RuntimeError(
                 f"could not load the SD3 model {str(path)!r} ({type(e).__name__}). For the gated "
                 "stabilityai/stable-diffusion-3.5-medium, log in with `hf auth login` and accept the SD3.5 licence on "
@@ -171,16 +195,54 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
     return pipe
 
 
+def _not_a_cut_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(("The following part of your input was truncated",
+                                               "Token indices sequence length is longer"))
+
+
+@contextmanager
+def _without_cut_notices():
+    """Silence the pipeline's and the tokenizers' notices that a prompt is longer than a text encoder reads."""
+    loggers = [logging.getLogger(name) for name in (StableDiffusion3Pipeline.__module__, "transformers.tokenization_utils_base")]
+    for logger in loggers:
+        logger.addFilter(_not_a_cut_notice)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_not_a_cut_notice)
+
+
 @torch.no_grad()
 def encode_prompts(pipe, prompts: list[str], max_sequence_length: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """CLIP-L + CLIP-G + T5 embeddings (B, 77 + max_sequence_length, D) and pooled (B, P); each distinct prompt once."""
+    """CLIP-L + CLIP-G + T5 embeddings (B, 77 + max_sequence_length, D) and pooled (B, P); each distinct prompt once.
+
+    The pipeline's notices of prompts cut at CLIP's 77 tokens (normal for SD3, whose T5 reads the whole prompt) and at
+    max_sequence_length are silenced: each would print every cut prompt in every iteration. A cut that hides a
+    target is reported once, when the prompts are loaded (`warn_cut_targets`).
+    """
     unique = list(dict.fromkeys(prompts))  # a batch repeats each prompt group_size times
-    embeds, _, pooled, _ = pipe.encode_prompt(unique, None, None, device=pipe.text_encoder.device,
-                                              do_classifier_free_guidance=False,
-                                              max_sequence_length=max_sequence_length)
+    with _without_cut_notices():
+        embeds, _, pooled, _ = pipe.encode_prompt(unique, None, None, device=pipe.text_encoder.device,
+                                                  do_classifier_free_guidance=False,
+                                                  max_sequence_length=max_sequence_length)
     device = pipe.transformer.device
     index = torch.tensor([unique.index(p) for p in prompts], device=device)
     return embeds.to(device)[index], pooled.to(device)[index]
+
+
+def warn_cut_targets(records: list[dict], pipe, max_sequence_length: int = 256) -> None:
+    """Warn once (naming the first one's "source", from data.load_prompts) if prompts have their target text beyond
+    the T5 tokens the model reads: no image can be rewarded for text the model is not shown."""
+    located = [(r, r["prompt"].find(r["target"])) for r in records]
+    located = [(r, start + len(r["target"])) for r, start in located if start >= 0]  # a target not in its prompt: n/a
+    with _without_cut_notices():
+        lengths = [len(ids) for ids in pipe.tokenizer_3([r["prompt"][:end] for r, end in located])["input_ids"]]  # with </s>
+    cut = [r for (r, _), length in zip(located, lengths) if length > max_sequence_length]
+    if cut:
+        logging.getLogger(__name__).warning(
+            f"{cut[0]['source']}: the target {cut[0]['target']!r} lies beyond the first {max_sequence_length} T5 tokens "
+            f"of its prompt, which are all the model reads (--max-sequence-length); {len(cut)} prompt(s) like it")
 
 
 def negative_embeddings(pipe, max_sequence_length: int = 256) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,10 @@
 """rollout.py on the tiny random SD3 (CPU, fp32): sampler vs diffusers, seeds, text encoding, LoRA adapters, loading."""
 
+import logging
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import huggingface_hub
 import numpy as np
@@ -11,6 +15,7 @@ from safetensors.torch import load_file
 
 import rollout
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ['a sign that says "hello"', 'a poster with "CRD 2026" on it']
 H = W = 64
 
@@ -174,6 +179,47 @@ def test_encode_prompts_shapes_and_dedupe(tiny_pipe, monkeypatch):
         torch.testing.assert_close(pooled[i : i + 1], alone_pooled, atol=1e-6, rtol=1e-6)
     assert not torch.allclose(embeds[0], embeds[1])
     assert rollout.encode_prompts(tiny_pipe, ["a"], max_sequence_length=32)[0].shape == (1, 77 + 32, 32)
+
+
+def test_expected_prompt_cuts_are_not_logged(tiny_pipe):
+    """The tiny tokenizers read a character a token: this prompt passes CLIP's 77 tokens and a T5 limit of 32."""
+    long_prompt = 'A hand-painted wooden signboard above a seaside bakery that reads "Fresh Bread Daily" in gold'
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    loggers = [logging.getLogger("diffusers"), logging.getLogger("transformers")]  # they do not propagate to the root
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        rollout.encode_prompts(tiny_pipe, [long_prompt * 2] * 2, max_sequence_length=32)
+        assert notices == []
+        tiny_pipe.encode_prompt([long_prompt * 3], None, None, do_classifier_free_guidance=False, max_sequence_length=32)
+        assert any("truncated because CLIP" in n for n in notices)  # the pipeline's own notices are back afterwards
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def test_a_target_beyond_the_t5_cut_is_warned_once_with_its_file_and_line(tiny_pipe, caplog):
+    records = [{"prompt": 'a sign "Hi"' + " and more" * 10, "target": "Hi", "source": "p.txt:1"},
+               {"prompt": "far away" * 5 + ' a sign "Late"', "target": "Late", "source": "p.txt:2"},
+               {"prompt": "far away" * 6 + ' a sign "Later"', "target": "Later", "source": "p.txt:3"},
+               {"prompt": "a sign", "target": "not in the prompt", "source": "p.jsonl:1"}]
+    rollout.warn_cut_targets(records, tiny_pipe, max_sequence_length=32)
+    (warning,) = caplog.records
+    assert warning.levelname == "WARNING" and warning.getMessage().startswith(
+        "p.txt:2: the target 'Late' lies beyond the first 32 T5 tokens of its prompt")
+    assert warning.getMessage().endswith("; 2 prompt(s) like it")
+    caplog.clear()
+    rollout.warn_cut_targets(records, tiny_pipe, max_sequence_length=256)
+    assert not caplog.records
+
+
+def test_no_torchvision_notice_at_import():
+    """transformers' notice that its image processors fall back to PIL without torchvision (as on CI) is silenced."""
+    result = subprocess.run([sys.executable, "-c", "import rollout"], cwd=ROOT, capture_output=True, text=True,
+                            check=True)
+    assert "torchvision" not in result.stderr, result.stderr
 
 
 def test_negative_embeddings_cached(tiny_pipe, monkeypatch):
@@ -404,9 +450,15 @@ def test_random_medium_has_sd35_medium_size():
 
 
 def test_missing_local_model_has_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="hf auth login") as info:
-        rollout.load_pipeline(str(tmp_path / "no-such-model"))
-    assert "local directory" in str(info.value) and info.value.__cause__ is not None
+    for missing in (str(tmp_path / "no-such-model"), "./no-such-model", "~/no-such-model", "a/b/c"):
+        with pytest.raises(RuntimeError, match=f"^--model {missing}: no such directory$"):
+            rollout.load_pipeline(missing)
+    with pytest.raises(RuntimeError, match="no model_index.json in this directory"):
+        rollout.load_pipeline(str(tmp_path))
+    (tmp_path / "model_index.json").write_text("{}")  # a directory that claims to be a pipeline: diffusers' error
+    with pytest.raises(RuntimeError, match="could not load the SD3 model") as info:
+        rollout.load_pipeline(str(tmp_path))
+    assert info.value.__cause__ is not None
 
 
 def test_text_encoders_go_to_their_own_device(tiny_model_dir):
