@@ -41,9 +41,9 @@ from tqdm import tqdm
 
 from data import DataError, GroupSampler, load_prompts
 from reward import SCORERS, make_scorer
-from rollout import (add_lora_adapters, compile_blocks, compile_decoder, ema_update_, encode_prompts, export_lora,
-                     load_lora_state_dict, load_pipeline, lora_parameters, lora_state_dict, negative_embeddings,
-                     predict_velocity, sample, use_adapter)
+from rollout import (add_lora_adapters, check_model_path, compile_blocks, compile_decoder, ema_update_, encode_prompts,
+                     export_lora, load_lora_state_dict, load_pipeline, lora_parameters, lora_state_dict,
+                     negative_embeddings, predict_velocity, sample, use_adapter, warn_cut_targets)
 
 
 @dataclass
@@ -61,6 +61,8 @@ class Args:
     """run directory name (default: {exp_name}__{reward}__{seed}__{unix time})"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """actor device; under torchrun each rank takes cuda:LOCAL_RANK"""
+    dry_run: bool = False
+    """check the arguments, the prompt files and a local --model directory, then exit without loading any model"""
 
     # Model, data and rollout
     model: str = "stabilityai/stable-diffusion-3.5-medium"
@@ -103,6 +105,10 @@ class Args:
     """device of the in-process reward model (default: the actor device)"""
     reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """base URLs of `vllm serve` reward servers (reward vllm)"""
+    reward_timeout: float = 60.0
+    """seconds a reward server may take to answer one request: the check at start, or one image (reward vllm)"""
+    reward_retries: int = 3
+    """attempts after the first for an image whose request failed or timed out, with backoff (reward vllm)"""
 
     # Optimisation
     num_iterations: int = 100
@@ -358,10 +364,15 @@ if __name__ == "__main__":
         train_set = load_prompts(args.train_data)[0]
         eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
+        check_model_path(args.model)
+        if args.dry_run:  # how run.sh checks a run before it starts a reward server
+            print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval prompts")
+            sys.exit(0)
+        # the scorer before the pipeline: a reward server is checked before minutes of model loading
+        scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
+                             urls=args.reward_urls, batch_size=B, timeout=args.reward_timeout, max_retries=args.reward_retries)
         pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                              text_encoder_device=args.text_encoder_device or None)
-        scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
-                             urls=args.reward_urls, batch_size=B)
     except (DataError, OSError, RuntimeError) as error:
         fail(error)
     scoring = ThreadPoolExecutor(1)  # one worker: scorer calls (training and validation) never overlap each other
@@ -393,6 +404,7 @@ if __name__ == "__main__":
         print(f"run {run_dir}: {world_size} rank(s) x {args.prompts_per_rank} prompts x {G} images = {world_size * B} "
               f"images per iteration, {B // args.train_batch_size} optimizer step(s) per rank, T={T}; "
               f"{len(train_set)} train prompts, {len(eval_set)} eval prompts")
+        warn_cut_targets(train_set + eval_set, pipe, args.max_sequence_length)
     stop_requested = False
 
     def request_stop(signum, frame):

@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import crd
 import dgpo
 import rollout
+from ocr_server import ocr_server
 from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +177,7 @@ def test_sigterm_finishes_the_iteration_and_saves(tmp_path, tiny_model_dir):
     (["--resolution", "60"], "not a multiple of 16"),
     (["--num-train-timesteps", "10"], "--num-train-timesteps 10 must lie in [1, 9]: the trained steps of the 10-step"),
     (["--train-data", "missing/train.jsonl"], "missing/train.jsonl: prompt file not found"),
-    (["--model", "/nonexistent/sd35"], "could not load the SD3 model '/nonexistent/sd35'"),
+    (["--model", "/nonexistent/sd35"], "--model /nonexistent/sd35: no such directory"),
     (["--reward", "ocr"], "--reward ocr: choose one of"),
     (["--reward-device", "gpu7"], "--reward-device gpu7: not a torch device"),
     (["--text-encoder-device", "cuda:1"], "--text-encoder-device cuda:1: this machine has 0 CUDA device(s)"),
@@ -184,6 +185,29 @@ def test_sigterm_finishes_the_iteration_and_saves(tmp_path, tiny_model_dir):
 def test_bad_input_gives_a_clear_error(extra, message, tiny_model_dir, tmp_path):
     result = train("crd.py", tiny_model_dir, tmp_path, *extra, check=False)
     assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_an_empty_target_is_named_before_anything_loads(tiny_model_dir, tmp_path):
+    """data.load_prompts' checks (tests/test_data.py) hold in the trainers: one line with the file and line."""
+    (tmp_path / "train.txt").write_text('A sign "One"\nA sign that reads ""\n')
+    result = train("crd.py", tiny_model_dir, tmp_path, "--train-data", tmp_path / "train.txt", check=False)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"crd.py: error: {tmp_path / 'train.txt'}:2: an empty target text in prompt 'A sign that reads \"\"'"]
+
+
+def test_dry_run_checks_and_exits_without_a_run(tiny_model_dir, tmp_path):
+    result = train("crd.py", tiny_model_dir, tmp_path, "--dry-run")
+    assert "dry run: arguments valid, 40 train and 4 eval prompts" in result.stdout and not list(tmp_path.iterdir())
+
+
+def test_reward_server_is_checked_before_the_model_loads(tiny_model_dir, tmp_path):
+    with ocr_server(read=None, silent=True) as (url, _):
+        started = time.monotonic()
+        result = train("crd.py", tiny_model_dir, tmp_path, "--reward", "vllm", "--reward-urls", url,
+                       "--reward-timeout", 0.5, check=False)
+    assert result.returncode == 1 and f"vLLM server {url} did not answer GET /v1/models within 0.5 s" in result.stderr
+    assert "Loading pipeline components" not in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
 
 
 def test_nonfinite_gradients_skip_steps_then_stop_with_a_checkpoint(tiny_model_dir, tmp_path):
