@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The recipe launcher (SPEC §3):
+# The recipe launcher:
 #   bash run.sh crd  [trainer args...]     CRD, defaults of the recipe; extra args are passed last, so they win
 #   bash run.sh dgpo [trainer args...]     the matched DGPO baseline
 #   bash run.sh compare RUN_DIR_A RUN_DIR_B   the anchor table of two finished runs, side by side
 # Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
 # TOTAL_TRAINING_STEPS (100 iterations), OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
-# REWARD_MODEL, REWARD_PORT (8000).
+# REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's).
 set -euo pipefail
 cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
 usage="usage: bash run.sh crd|dgpo [trainer args...]  |  bash run.sh compare RUN_DIR_A RUN_DIR_B"
 algo=${1:-}
 [[ $algo == crd || $algo == dgpo || $algo == compare ]] || { echo "$usage" >&2; exit 2; }
@@ -15,7 +16,7 @@ shift
 
 if [[ $algo == compare ]]; then
   [[ $# == 2 ]] || { echo "$usage" >&2; exit 2; }
-  exec python3 - "$@" <<'PY'
+  exec "$PYTHON" - "$@" <<'PY'
 import json, sys
 from pathlib import Path
 runs = []
@@ -52,6 +53,10 @@ EVAL_DATA=${EVAL_DATA:-data/ocr/test.jsonl}
 MODEL=${MODEL:-stabilityai/stable-diffusion-3.5-medium}
 REWARD_MODEL=${REWARD_MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}
 REWARD_PORT=${REWARD_PORT:-8000}
+for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS REWARD_PORT; do
+  [[ ${!name} =~ ^(0|[1-9][0-9]*)$ ]] || { echo "run.sh: error: $name=${!name}: not a whole number" >&2; exit 1; }
+done
+(( NUM_GPUS_ACTOR_ROLLOUT > 0 )) || { echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed" >&2; exit 1; }
 
 available=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 needed=$((NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD))
@@ -65,9 +70,21 @@ if (( NUM_GPUS_REWARD > 0 && NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
   # the text encoders (10 GiB) beside the reward model: the recipe's actor then peaks under 40 GiB
   reward_args=(--text-encoder-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
+serve_reward=false
 if (( NUM_GPUS_REWARD == 0 )); then
   reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL")          # scored on each actor's own GPU
-elif python3 -c "import vllm" 2>/dev/null; then
+elif "$PYTHON" -c "import vllm" 2>/dev/null; then
+  serve_reward=true
+  reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "http://127.0.0.1:$REWARD_PORT")
+else
+  reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
+fi
+trainer=("$algo.py" --model "$MODEL" --train-data "$TRAIN_DATA" --eval-data "$EVAL_DATA" --group-size "$GROUP_SIZE"
+         --resolution "$IMAGE_RESOLUTION" --num-iterations "$TOTAL_TRAINING_STEPS" --output-dir "$OUTPUT_DIR"
+         "${reward_args[@]}" "$@")
+
+if $serve_reward; then
+  "$PYTHON" "${trainer[@]}" --dry-run  # a mistyped argument or prompt file must not wait minutes for a healthy server
   reward_gpus=$(seq -s, "$NUM_GPUS_ACTOR_ROLLOUT" $((needed - 1)))
   log="$OUTPUT_DIR/reward_server.log"
   mkdir -p "$OUTPUT_DIR"
@@ -85,16 +102,13 @@ elif python3 -c "import vllm" 2>/dev/null; then
   done
   curl -sf "http://127.0.0.1:$REWARD_PORT/health" >/dev/null \
     || { echo "run.sh: error: the reward server did not become healthy in 600 s; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
-  reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "http://127.0.0.1:$REWARD_PORT")
-else
-  reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 
-launcher=(torchrun)
-command -v torchrun >/dev/null || launcher=(python3 -m torch.distributed.run)
-cmd=("${launcher[@]}" --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT" "$algo.py"
-     --model "$MODEL" --train-data "$TRAIN_DATA" --eval-data "$EVAL_DATA" --group-size "$GROUP_SIZE"
-     --resolution "$IMAGE_RESOLUTION" --num-iterations "$TOTAL_TRAINING_STEPS" --output-dir "$OUTPUT_DIR"
-     "${reward_args[@]}" "$@")
+if (( NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
+  launcher=("$PYTHON")  # one process: without torchrun, whose report of a failed rank would bury the trainer's error
+else
+  launcher=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT")
+fi
+cmd=("${launcher[@]}" "${trainer[@]}")
 echo "+ ${cmd[*]}"
 "${cmd[@]}"

@@ -1,7 +1,9 @@
 """run.sh: GPU accounting, the reward server's life cycle, and its failure, with stand-ins for nvidia-smi and vllm.
 
-The stand-in `vllm serve` is a real HTTP server on 127.0.0.1 that answers /health and OpenAI chat completions (with
-an empty transcription), so the trainer really scores through it; the trainer itself runs on the tiny model on CPU.
+The stand-in `vllm serve` is a real HTTP server on 127.0.0.1 that answers /health, /v1/models and OpenAI chat
+completions (with an empty transcription), so the trainer really scores through it; the trainer itself runs on the
+tiny model on CPU. The `python3` first on PATH is one without torch (as when the requirements live in a virtualenv
+that is not activated): run.sh must use $PYTHON, which the tests set to this interpreter.
 """
 
 import os
@@ -10,13 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
 
 FAKE_VLLM = """#!PYTHON
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
-if "--fail" in open(sys.argv[0] + ".mode").read():
+mode = open(sys.argv[0] + ".mode").read()
+if "--fail" in mode:
     print("RuntimeError: CUDA error: no kernel image is available (stand-in failure)", flush=True)
     sys.exit(1)
 port = int(sys.argv[sys.argv.index("--port") + 1])
@@ -31,7 +36,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        self.reply({})
+        served = "someone/another-model" if "other-model" in mode else sys.argv[2]
+        self.reply({"data": [{"id": served}]} if self.path == "/v1/models" else {})
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -49,7 +55,8 @@ def free_port():
 
 
 def fake_tools(tmp_path, gpus=2, vllm_mode="serve"):
-    """A bin/ with nvidia-smi (listing `gpus` GPUs) and vllm, and an importable `vllm` package."""
+    """A bin/ with nvidia-smi (listing `gpus` GPUs), vllm and a python3 without torch, an importable `vllm` package,
+    and PYTHON set to this interpreter."""
     bin_dir = tmp_path / "bin"
     (bin_dir / "vllm_pkg" / "vllm").mkdir(parents=True)
     (bin_dir / "vllm_pkg" / "vllm" / "__init__.py").write_text("")
@@ -58,9 +65,12 @@ def fake_tools(tmp_path, gpus=2, vllm_mode="serve"):
     vllm = bin_dir / "vllm"
     vllm.write_text(FAKE_VLLM.replace("PYTHON", sys.executable))
     (bin_dir / "vllm.mode").write_text(vllm_mode)
-    for tool in (smi, vllm):
+    python3 = bin_dir / "python3"
+    python3.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch' (python3 from PATH)\" >&2\nexit 1\n")
+    for tool in (smi, vllm, python3):
         tool.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(bin_dir / "vllm_pkg")}
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(bin_dir / "vllm_pkg"),
+            "PYTHON": sys.executable}
 
 
 def run_sh(env, *args, timeout=300):
@@ -82,6 +92,7 @@ def test_reward_server_serves_the_run_and_stops_with_it(tmp_path, tiny_model_dir
                     "--run-name", "served", "--text-encoder-device", "cpu")  # extra args win over run.sh's layout
     assert result.returncode == 0, result.stderr[-3000:]
     assert "vllm serve Qwen/Qwen2.5-VL-3B-Instruct --host 127.0.0.1" in result.stdout
+    assert f"+ {sys.executable} crd.py --model " in result.stdout  # one actor: no torchrun
     assert "--gpu-memory-utilization 0.7" in result.stdout  # room for the text encoders beside the reward model
     assert "--text-encoder-device cuda:1 --reward vllm" in result.stdout
     assert f"--reward vllm --reward-model Qwen/Qwen2.5-VL-3B-Instruct --reward-urls http://127.0.0.1:{port}" in result.stdout
@@ -92,8 +103,40 @@ def test_reward_server_serves_the_run_and_stops_with_it(tmp_path, tiny_model_dir
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def tiny_run_env(tmp_path, **tools):
+    return {**fake_tools(tmp_path, **tools), "CRD_CACHE": str(tmp_path / "no-cache"), "OUTPUT_DIR": str(tmp_path / "runs"),
+            "REWARD_PORT": str(free_port()), "TRAIN_DATA": str(DATA / "train.txt"), "EVAL_DATA": str(DATA / "test.txt")}
+
+
 def test_a_reward_server_that_fails_to_start_shows_its_log(tmp_path):
-    env = {**fake_tools(tmp_path, vllm_mode="--fail"), "OUTPUT_DIR": str(tmp_path / "runs"), "REWARD_PORT": str(free_port())}
-    result = run_sh(env, "crd", timeout=60)
+    result = run_sh(tiny_run_env(tmp_path, vllm_mode="--fail"), "crd", "--text-encoder-device", "cpu", timeout=120)
     assert result.returncode == 1 and "the reward server exited; last lines of" in result.stderr
     assert "CUDA error: no kernel image is available (stand-in failure)" in result.stderr
+
+
+def test_a_bad_argument_stops_the_run_before_the_reward_server_starts(tmp_path):
+    env = {**tiny_run_env(tmp_path), "TRAIN_DATA": "data/ocr/typo.jsonl"}
+    result = run_sh(env, "crd", "--text-encoder-device", "cpu", timeout=120)
+    assert result.returncode == 1 and result.stderr.splitlines() == ["crd.py: error: data/ocr/typo.jsonl: prompt file not found"]
+    assert "vllm serve" not in result.stdout and not (tmp_path / "runs" / "reward_server.log").exists()
+
+
+def test_a_trainer_error_is_its_one_line(tmp_path):
+    """One actor runs without torchrun, whose report of a failed rank is ~40 lines; here the trainer finds that the
+    reward server serves another model."""
+    result = run_sh(tiny_run_env(tmp_path, vllm_mode="other-model"), "crd", "--model", "tiny",
+                    "--text-encoder-device", "cpu", timeout=120)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "crd.py: error: vLLM server http://127.0.0.1:{} serves 'someone/another-model', not the reward model "
+        "'Qwen/Qwen2.5-VL-3B-Instruct'".format(result.stdout.split("--port ")[1].split()[0])]
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"NUM_GPUS_ACTOR_ROLLOUT": "abc"}, "NUM_GPUS_ACTOR_ROLLOUT=abc: not a whole number"),
+    ({"NUM_GPUS_ACTOR_ROLLOUT": "0", "NUM_GPUS_REWARD": "0"}, "NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed"),
+    ({"NUM_GPUS_REWARD": "-1"}, "NUM_GPUS_REWARD=-1: not a whole number"),
+    ({"GROUP_SIZE": "6x"}, "GROUP_SIZE=6x: not a whole number"),
+])
+def test_bad_environment_overrides_are_one_line(tmp_path, override, message):
+    result = run_sh({**fake_tools(tmp_path), **override}, "crd", timeout=30)
+    assert result.returncode == 1 and result.stderr.splitlines() == [f"run.sh: error: {message}"]
