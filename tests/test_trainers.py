@@ -242,14 +242,16 @@ def test_learning_raises_a_cheap_reward(script, tiny_model_dir, tmp_path):
 
 
 def test_compare_prints_the_anchor_table_side_by_side(three_iteration_runs):
-    result = subprocess.run(["bash", "run.sh", "compare", *map(str, three_iteration_runs.values())], cwd=ROOT,
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(["bash", "run.sh", "compare", *map(str, three_iteration_runs.values())], cwd=ROOT, env=env,
                             capture_output=True, text=True, check=True)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in result.stdout.splitlines()[2:]}
     for script, column in zip(SCRIPTS, zip(*rows.values())):
         summary = json.loads((three_iteration_runs[script] / "summary.json").read_text())
         assert column[0] == f"{summary['initial_eval_reward']:.4f}" and column[1] == f"{summary['final_eval_reward']:.4f}"
     assert rows["Iterations / optimizer updates"] == ["3 / 6", "3 / 6"]
-    missing = subprocess.run(["bash", "run.sh", "compare", "runs/none", "runs/none"], cwd=ROOT, capture_output=True, text=True)
+    missing = subprocess.run(["bash", "run.sh", "compare", "runs/none", "runs/none"], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
     assert missing.returncode != 0 and "runs/none/summary.json not found" in missing.stderr
 
 
