@@ -370,7 +370,8 @@ if __name__ == "__main__":
             sys.exit(0)
         # the scorer before the pipeline: a reward server is checked before minutes of model loading
         scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
-                             urls=args.reward_urls, batch_size=B, timeout=args.reward_timeout, max_retries=args.reward_retries)
+                             urls=args.reward_urls, batch_size=B, timeout=args.reward_timeout,
+                             max_retries=args.reward_retries)
         pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                              text_encoder_device=args.text_encoder_device or None)
     except (DataError, OSError, RuntimeError) as error:

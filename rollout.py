@@ -203,7 +203,8 @@ def _not_a_cut_notice(record: logging.LogRecord) -> bool:
 @contextmanager
 def _without_cut_notices():
     """Silence the pipeline's and the tokenizers' notices that a prompt is longer than a text encoder reads."""
-    loggers = [logging.getLogger(name) for name in (StableDiffusion3Pipeline.__module__, "transformers.tokenization_utils_base")]
+    names = (StableDiffusion3Pipeline.__module__, "transformers.tokenization_utils_base")
+    loggers = [logging.getLogger(name) for name in names]
     for logger in loggers:
         logger.addFilter(_not_a_cut_notice)
     try:
@@ -236,9 +237,11 @@ def warn_cut_targets(records: list[dict], pipe, max_sequence_length: int = 256) 
     the T5 tokens the model reads: no image can be rewarded for text the model is not shown."""
     located = [(r, r["prompt"].find(r["target"])) for r in records]
     located = [(r, start + len(r["target"])) for r, start in located if start >= 0]  # a target not in its prompt: n/a
+    if not located:
+        return
     with _without_cut_notices():
-        lengths = [len(ids) for ids in pipe.tokenizer_3([r["prompt"][:end] for r, end in located])["input_ids"]]  # with </s>
-    cut = [r for (r, _), length in zip(located, lengths) if length > max_sequence_length]
+        token_ids = pipe.tokenizer_3([r["prompt"][:end] for r, end in located])["input_ids"]  # each ends with </s>
+    cut = [r for (r, _), ids in zip(located, token_ids) if len(ids) > max_sequence_length]
     if cut:
         logging.getLogger(__name__).warning(
             f"{cut[0]['source']}: the target {cut[0]['target']!r} lies beyond the first {max_sequence_length} T5 tokens "

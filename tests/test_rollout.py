@@ -212,6 +212,7 @@ def test_a_target_beyond_the_t5_cut_is_warned_once_with_its_file_and_line(tiny_p
     assert warning.getMessage().endswith("; 2 prompt(s) like it")
     caplog.clear()
     rollout.warn_cut_targets(records, tiny_pipe, max_sequence_length=256)
+    rollout.warn_cut_targets(records[3:], tiny_pipe, max_sequence_length=4)
     assert not caplog.records
 
 
