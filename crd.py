@@ -34,15 +34,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from data import DataError, GroupSampler, load_prompts
 from reward import SCORERS, make_scorer
-from rollout import (add_lora_adapters, check_model_path, compile_blocks, compile_decoder, ema_update_, encode_prompts,
-                     export_lora, load_lora_state_dict, load_pipeline, lora_parameters, lora_state_dict,
+from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder, ema_update_,
+                     encode_prompts, export_lora, load_lora_state_dict, load_pipeline, lora_parameters, lora_state_dict,
                      negative_embeddings, predict_velocity, sample, use_adapter, warn_cut_targets)
 
 
@@ -291,18 +290,6 @@ def timed(fn, *args):
     """fn(*args) and the seconds it took."""
     started = time.perf_counter()
     return fn(*args), time.perf_counter() - started
-
-
-def captioned_grid(images, captions, columns=4):
-    """(N,H,W,3) uint8 images -> one grid image with a caption strip under each image."""
-    n, height, width, _ = images.shape
-    canvas = Image.new("RGB", (columns * width, -(-n // columns) * (height + 14)), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (image, caption) in enumerate(zip(images, captions)):
-        x, y = i % columns * width, i // columns * (height + 14)
-        canvas.paste(Image.fromarray(image), (x, y))
-        draw.text((x + 2, y + height + 1), caption[: max(width // 6, 8)], fill="black")
-    return np.asarray(canvas)
 
 
 def peak_memory_gib(device):

@@ -1,4 +1,5 @@
-"""SD3 rollout environment: model loading, text encoding, LoRA adapters, a batched flow-matching sampler, VAE decode.
+"""SD3 rollout environment: model loading, text encoding, LoRA adapters, a batched flow-matching sampler, VAE decode,
+captioned image grids.
 
 Like `cleanrl_utils`, this module is the "environment" the trainers import: no loss, advantage, EMA schedule or
 optimizer lives here. One transformer carries three LoRA adapters (trainable `policy`, EMA copies `old` and
@@ -27,6 +28,7 @@ import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
+from PIL import Image, ImageDraw, ImageFont
 from tokenizers import pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
@@ -474,3 +476,49 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
     if decode:
         out["images"] = np.concatenate(images)  # (B, H, W, 3) uint8
     return out
+
+
+# ---- image grids -----------------------------------------------------------------------------------------------------
+
+# Pillow's own scalable font (Aileron) has only ASCII glyphs; DejaVu Sans, found in the system's font folders where
+# installed, also draws Latin accents, Greek and Cyrillic. Neither has CJK glyphs, which are drawn as boxes.
+CAPTION_FONT = "DejaVuSans.ttf"
+
+
+def caption_font(size: int) -> ImageFont.FreeTypeFont:
+    try:
+        return ImageFont.truetype(CAPTION_FONT, size)
+    except OSError:
+        return ImageFont.load_default(size=size)
+
+
+def wrap_text(text: str, font: ImageFont.FreeTypeFont, width: float) -> list[str]:
+    """`text` as lines no wider than `width` pixels: broken between words, inside a word only where it alone is wider."""
+    lines = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+            continue
+        lines.append("")
+        for char in word:
+            if lines[-1] and font.getlength(lines[-1] + char) > width:
+                lines.append("")
+            lines[-1] += char
+    return lines
+
+
+def captioned_grid(images: np.ndarray, captions: list[str], columns: int = 4) -> np.ndarray:
+    """(N, H, W, 3) uint8 images -> one (rows * (H + caption), columns * W, 3) grid, each image above its caption,
+    which is wrapped to the image's width, never cut."""
+    n, height, width, _ = images.shape
+    font = caption_font(max(10, width // 40))
+    lines = [wrap_text(caption, font, width - 4) for caption in captions]
+    ascent, descent = font.getmetrics()
+    strip = max(map(len, lines), default=0) * (ascent + descent) + 4  # the tallest caption sets every row's strip
+    canvas = Image.new("RGB", (columns * width, -(-n // columns) * (height + strip)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (image, caption_lines) in enumerate(zip(images, lines)):
+        x, y = i % columns * width, i // columns * (height + strip)
+        canvas.paste(Image.fromarray(image), (x, y))
+        draw.multiline_text((x + 2, y + height + 2), "\n".join(caption_lines), fill="black", font=font, spacing=0)
+    return np.asarray(canvas)

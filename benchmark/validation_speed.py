@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
-from crd import captioned_grid  # noqa: E402
 from data import load_prompts  # noqa: E402
 from reward import RANDOM_QWEN, make_scorer  # noqa: E402
 
@@ -92,7 +91,7 @@ def main():
 
     def log(images, scores, texts):
         captions = [f"{s:.2f} {t}" for s, t in zip(scores, targets)]
-        writer.add_image("eval/images", captioned_grid(images[:16], captions[:16]), 0, dataformats="HWC")
+        writer.add_image("eval/images", rollout.captioned_grid(images[:16], captions[:16]), 0, dataformats="HWC")
         writer.add_text("eval/transcriptions", "\n\n".join(f"{t} -> {x!r}" for t, x in zip(targets, texts)), 0)
         writer.flush()
 

@@ -497,3 +497,35 @@ def test_predict_velocity_transformer_calls(tiny_pipe, guidance, max_batch_size,
         hook.remove()
     assert rows_chunked == expected and rows == [10 if guidance > 1 else 5]
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def ink_rows(image):
+    """Row indices of an (H, W, 3) caption strip that hold dark (text) pixels."""
+    return np.flatnonzero((image.min(2) < 128).any(1))
+
+
+def test_grid_captions_wrap_to_the_image_width_and_are_never_cut():
+    caption = "0.53 Über das Café an der Straße: Ärger für Jürgen"
+    font = rollout.caption_font(10)
+    lines = rollout.wrap_text(caption, font, 60)
+    assert len(lines) >= 4 and all(font.getlength(line) <= 60 for line in lines)
+    assert " ".join(lines) == caption  # broken only between words here: every word is narrower than 60 pixels
+    assert rollout.wrap_text("Donaudampfschifffahrt", font, 30)[0] != "Donaudampfschifffahrt"  # a too-wide word breaks
+    assert "".join(rollout.wrap_text("Donaudampfschifffahrt", font, 30)) == "Donaudampfschifffahrt"
+
+    images = np.full((2, 64, 64, 3), 255, np.uint8)
+    grid = rollout.captioned_grid(images, [caption, "0.90 ok"], columns=2)
+    line_height = sum(font.getmetrics())
+    assert grid.shape == (64 + len(lines) * line_height + 4, 128, 3)
+    assert ink_rows(grid[64:, :64]).max() > (len(lines) - 1) * line_height  # the last line is drawn
+    assert ink_rows(grid[64:, 64:]).max() < line_height + 2  # a short caption takes one line
+
+
+def test_grid_captions_draw_accented_letters():
+    font = rollout.caption_font(12)
+    if font.getname()[0] != "DejaVu Sans":
+        pytest.skip(f"{rollout.CAPTION_FONT} is not installed; Pillow's own font has only ASCII glyphs")
+    images = np.full((1, 64, 64, 3), 255, np.uint8)
+    boxed = rollout.captioned_grid(images, ["Caf\U000f0000"])  # a private-use code point: drawn as the font's box
+    for letter in "éÄÖÜßñЖΩ":
+        assert not np.array_equal(rollout.captioned_grid(images, [f"Caf{letter}"]), boxed), letter
