@@ -29,6 +29,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -144,6 +145,9 @@ class Args:
     """validation CFG scale (negative prompt "")"""
     eval_seed: int = 0
     """image i of validation always uses seed eval_seed + i"""
+    eval_judge: Literal["paddle", "brightness", "compressibility", "none"] = "paddle"
+    """a second scorer of the validation images on the CPU, beside --reward (which the policy learns to please):
+    paddle (PP-OCR, logged as eval/reward_paddle), a cheap check, or none; skipped when it is --reward"""
     save_every: int = 10
     """checkpoint every N iterations and at the end"""
     keep_last: int = 2
@@ -295,6 +299,12 @@ def timed(fn, *args):
     return fn(*args), time.perf_counter() - started
 
 
+def collect(futures):
+    """Scores (N,) and the N transcriptions from the futures of a scorer's chunks, in order."""
+    chunks = [future.result() for future in futures]
+    return np.concatenate([chunk[0] for chunk in chunks]), [text for chunk in chunks for text in chunk[1]]
+
+
 def peak_memory_gib(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -364,9 +374,13 @@ if __name__ == "__main__":
                              max_retries=args.reward_retries)
         pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                              text_encoder_device=args.text_encoder_device or None)
+        judge = None
+        if main_process and args.eval_every and args.eval_judge not in ("none", args.reward):
+            judge = make_scorer(args.eval_judge)
     except (DataError, OSError, RuntimeError) as error:
         fail(error)
     scoring = ThreadPoolExecutor(1)  # one worker: scorer calls (training and validation) never overlap each other
+    judging = ThreadPoolExecutor(1)  # the CPU judge reads validation images beside the scorer
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:
@@ -412,23 +426,34 @@ if __name__ == "__main__":
         started = time.perf_counter()
         prompts, targets = [r["prompt"] for r in eval_set], [r["target"] for r in eval_set]
         embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
-        scored = []  # futures of (scores, texts)
+        scored, judged = [], []  # futures of (scores, texts)
 
-        def score_chunk(rows, chunk):  # the scorer reads each chunk of images while the next one samples
+        def score_chunk(rows, chunk):  # the scorers read each chunk of images while the next one samples
             scored.append(scoring.submit(scorer, chunk, targets[rows]))
+            if judge:
+                judged.append(judging.submit(judge, chunk, targets[rows]))
 
         with use_adapter(transformer, "sampling"), autocast:
             images = sample(pipe, embeds, pooled, [args.eval_seed + i for i in range(len(prompts))], args.eval_steps,
                             args.eval_guidance, args.resolution, args.resolution, args.forward_batch_size,
                             negative_embeds=negative[0], negative_pooled=negative[1], progress=True,
                             on_decoded=score_chunk)["images"]
-        chunks = [future.result() for future in scored]
-        scores, texts = np.concatenate([chunk[0] for chunk in chunks]), [text for chunk in chunks for text in chunk[1]]
-        state["eval"].append([iteration, float(np.mean(scores))])
+        scores, texts = collect(scored)
         writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
         captions = [f"{s:.2f} {t}" for s, t in zip(scores, targets)]
+        transcriptions = [f"{t} -> {x!r}" for t, x in zip(targets, texts)]
+        judge_mean = None
+        if judge:  # what the judge adds to a validation: the wait for the part of it not hidden behind the sampling
+            waited = time.perf_counter()
+            judge_scores, judge_texts = collect(judged)
+            writer.add_scalar("perf/eval_judge_wait_s", time.perf_counter() - waited, iteration)
+            judge_mean = float(np.mean(judge_scores))
+            writer.add_scalar(f"eval/reward_{args.eval_judge}", judge_mean, iteration)
+            captions = [f"{s:.2f} ({args.eval_judge} {j:.2f}) {t}" for s, j, t in zip(scores, judge_scores, targets)]
+            transcriptions = [f"{line} ({args.eval_judge}: {x!r})" for line, x in zip(transcriptions, judge_texts)]
+        state["eval"].append([iteration, float(np.mean(scores)), judge_mean])
         writer.add_image("eval/images", captioned_grid(images[:16], captions[:16]), iteration, dataformats="HWC")
-        writer.add_text("eval/transcriptions", "\n\n".join(f"{t} -> {x!r}" for t, x in zip(targets, texts)), iteration)
+        writer.add_text("eval/transcriptions", "\n\n".join(transcriptions), iteration)
         return time.perf_counter() - started
 
     if main_process and args.eval_every and not state["eval"]:

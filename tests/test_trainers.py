@@ -24,9 +24,10 @@ from tensorboard_logs import scalars
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
 SCRIPTS = ["crd.py", "dgpo.py"]
+# no PP-OCR judge (about 0.5 s an image of CPU here): tests/test_evaluate.py runs a trainer with it
 TINY_RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data", str(DATA / "train.txt"),
             "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
-            "--eval-prompts", "4", "--eval-steps", "4", "--learning-rate", "3e-3"]
+            "--eval-prompts", "4", "--eval-steps", "4", "--learning-rate", "3e-3", "--eval-judge", "none"]
 SPEC_TAGS = {"train/reward_mean", "train/reward_std", "train/zero_std_group_frac", "eval/reward_mean", "losses/loss",
              "losses/policy_loss", "losses/kl_loss", "charts/lr", "charts/grad_norm", "charts/decay_old",
              "charts/decay_sampling", "perf/iteration_s", "perf/images_per_s", "perf/rollout_s", "perf/reward_s",
