@@ -1,0 +1,353 @@
+"""Score SD3.5 on the held-out OCR prompts: the base model, an adapter of a trainer checkpoint, or a diffusers LoRA.
+
+    python evaluate.py --checkpoint runs/crd/<run>/global_step_100        # its sampling adapter, as the trainers validate
+    python evaluate.py --checkpoint runs/crd/<run>/global_step_100 --adapter policy --num-prompts 128
+    python evaluate.py --lora runs/crd/<run>/global_step_100/policy_lora  # any diffusers-format SD3 LoRA
+    python evaluate.py                                                    # the base model
+
+The recipe's protocol by default: every prompt of data/ocr/test.jsonl, image i from seed 0 + i, a 40-step Euler ODE
+at CFG 4.5 against the empty prompt, 512x512, the Qwen2.5-VL-3B OCR reward, and PP-OCR (CPU) as an independent judge.
+Results go to {output_dir}/{name}/: results.jsonl, one line per prompt appended as each chunk is scored (stop the
+run at any time, Ctrl-C or kill, and run the same command to continue without rescoring what is done);
+results.json, with every prompt's target, transcriptions and scores, the means with their standard errors and the
+settings; grid.png, the first images with their scores.
+"""
+
+import hashlib
+import json
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from PIL import Image
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from data import DataError, load_prompts
+from reward import SCORERS, ServerError, make_scorer
+from rollout import (add_lora_adapters, captioned_grid, compile_blocks, compile_decoder, encode_prompts, load_lora_state_dict,
+                     load_pipeline, negative_embeddings, sample)
+
+DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
+
+
+@dataclass
+class Args:
+    """Score SD3.5 (the base model, a trainer checkpoint's adapter or a LoRA) on held-out OCR prompts."""
+
+    # What is evaluated (neither --checkpoint nor --lora: the base model)
+    checkpoint: str = ""
+    """a global_step_N directory of crd.py or dgpo.py; its LoRA rank and alpha (and default model) come from its trainer_state.json"""
+    adapter: str = "sampling"
+    """adapter of --checkpoint: sampling (what the trainers roll out and validate with), policy or old"""
+    lora: str = ""
+    """a diffusers-format LoRA directory: a checkpoint's policy_lora/, or any that StableDiffusion3Pipeline.load_lora_weights reads"""
+    lora_rank: int = 32
+    """rank of --lora: a LoRA of another rank is an error"""
+    lora_alpha: int = 64
+    """alpha of --lora (its scale is alpha / rank): must agree with the alpha the LoRA records, if it records one"""
+    model: str = ""
+    """hub id or local directory of SD3.5, `tiny` or `random-sd3.5-medium` (default: the checkpoint's model, else SD3.5-M)"""
+
+    # Prompts and protocol (defaults: the recipe's validation)
+    eval_data: str = "data/ocr/test.jsonl"
+    """held-out prompts (.jsonl from data.py, or Flow-GRPO's raw .txt)"""
+    num_prompts: int = 0
+    """score the first N prompts (0: all); a later run with a larger N continues the same results"""
+    seed: int = 0
+    """image i uses seed seed + i (the trainers' --eval-seed)"""
+    num_steps: int = 40
+    """Euler ODE steps"""
+    guidance: float = 4.5
+    """CFG scale, against the empty prompt (1: no CFG)"""
+    resolution: int = 512
+    """image height and width in pixels (multiple of 16)"""
+    max_sequence_length: int = 256
+    """T5 prompt tokens"""
+
+    # Scoring
+    reward: str = "qwen-vl"
+    """scorer: qwen-vl (in process), vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility (cheap checks)"""
+    reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
+    """hub id or local directory of the OCR model (qwen-vl, vllm)"""
+    reward_device: str = ""
+    """device of the in-process reward model (default: --device)"""
+    reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """base URLs of `vllm serve` reward servers (reward vllm)"""
+    judge: Literal["paddle", "brightness", "compressibility", "none"] = "paddle"
+    """a second scorer on the CPU, beside --reward: paddle (PP-OCR, independent of the trained reward), a cheap check,
+    or none; skipped when it is --reward"""
+
+    # Running
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """device of the SD3 model (bfloat16 on CUDA, float32 on the CPU)"""
+    text_encoder_device: str = ""
+    """device of the CLIP and T5 text encoders (default: --device)"""
+    batch_size: int = 32
+    """prompts per chunk: each chunk is sampled, scored and appended to results.jsonl before the next one is written"""
+    forward_batch_size: int = 48
+    """most rows in one transformer forward (a CFG image takes two)"""
+    compile: bool = False
+    """torch.compile the transformer blocks and VAE decoder on CUDA: 3-4 minutes of compiling for about 2x faster
+    sampling, worth it for the whole test set"""
+    output_dir: str = "evals"
+    """results are written to {output_dir}/{name}/"""
+    name: str = ""
+    """results directory name (default: what is evaluated, the reward and the protocol)"""
+    grid_images: int = 16
+    """images in grid.png (the first prompts'); their PNGs are kept under images/ so that a resumed run can draw it"""
+    save_images: bool = False
+    """keep every image as images/{index}.png, not only the grid's"""
+
+
+def fail(message):
+    sys.exit(f"{Path(sys.argv[0]).name}: error: {message}")
+
+
+def check_args(args):
+    if args.checkpoint and args.lora:
+        fail("--checkpoint and --lora: pass one of them (neither: the base model)")
+    for flag in ("num_steps", "resolution", "batch_size", "forward_batch_size"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.resolution % 16:
+        fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
+    if args.num_prompts < 0 or args.grid_images < 0:
+        fail("--num-prompts and --grid-images must not be negative")
+    if args.reward not in SCORERS:
+        fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
+    for flag in ("device", "reward_device", "text_encoder_device"):
+        try:
+            torch.device(getattr(args, flag) or "cpu")
+        except RuntimeError:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: not a torch device (cpu, cuda, cuda:1, ...)")
+
+
+def file_sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_checkpoint(args):
+    """(LoRA {key: tensor} of --adapter, rank, alpha, the checkpoint's model, sha256 of its adapters file)."""
+    path = Path(args.checkpoint)
+    if not (path / "trainer_state.json").is_file() or not (path / "adapters.safetensors").is_file():
+        fail(f"--checkpoint {path}: not a checkpoint directory (no trainer_state.json and adapters.safetensors)")
+    trained = json.loads((path / "trainer_state.json").read_text()).get("args", {})
+    if "lora_rank" not in trained:
+        fail(f"--checkpoint {path}: its trainer_state.json records no Args (lora_rank, lora_alpha)")
+    adapters = load_file(path / "adapters.safetensors")
+    names = sorted({key.split(".", 1)[0] for key in adapters})
+    if args.adapter not in names:
+        fail(f"--adapter {args.adapter}: {path / 'adapters.safetensors'} holds the adapters {', '.join(names)}")
+    state = {k.split(".", 1)[1]: v for k, v in adapters.items() if k.split(".", 1)[0] == args.adapter}
+    return state, trained["lora_rank"], trained["lora_alpha"], trained.get("model"), file_sha256(path / "adapters.safetensors")
+
+
+def read_lora(args):
+    """(LoRA {key: tensor} in lora_state_dict's keys, sha256 of its weights) of a diffusers-format directory, checked
+    against --lora-rank and --lora-alpha."""
+    from diffusers import StableDiffusion3Pipeline
+
+    path = Path(args.lora)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        fail(f"--lora {path}: not a directory holding a diffusers LoRA (*.safetensors)")
+    try:
+        state, metadata = StableDiffusion3Pipeline.lora_state_dict(str(path), return_lora_metadata=True)
+    except (OSError, ValueError, KeyError) as error:
+        fail(f"--lora {path}: not a diffusers LoRA ({type(error).__name__}: {str(error).splitlines()[0]})")
+    others = sorted({key.split(".", 1)[0] for key in state} - {"transformer"})
+    if others:
+        fail(f"--lora {path}: holds LoRA weights for {', '.join(others)}; only the transformer's are supported")
+    state = {key.removeprefix("transformer."): value for key, value in state.items()}
+    ranks = sorted({value.shape[0] for key, value in state.items() if ".lora_A." in key})
+    if ranks != [args.lora_rank]:
+        fail(f"--lora {path}: a LoRA of rank {'/'.join(map(str, ranks))}, but --lora-rank {args.lora_rank}")
+    alpha = (metadata or {}).get("transformer.lora_alpha")
+    if alpha is not None and alpha != args.lora_alpha:
+        fail(f"--lora {path}: a LoRA of alpha {alpha}, but --lora-alpha {args.lora_alpha}")
+    return state, file_sha256(files[0]) if len(files) == 1 else [file_sha256(f) for f in files]
+
+
+def read_results(path, settings, prompts):
+    """{index: record} of the prompts already scored in results.jsonl; a new file (settings line only) if none.
+
+    A line cut by a kill is dropped. A file written with other settings, or for other prompts, is an error."""
+    raw = path.read_bytes() if path.is_file() else b""
+    complete = raw[: raw.rfind(b"\n") + 1]
+    if not complete:
+        path.write_text(json.dumps({"settings": settings}) + "\n")
+        return {}
+    try:
+        lines = [json.loads(line) for line in complete.splitlines()]
+        old = lines[0]["settings"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        fail(f"{path}: not a results file of evaluate.py; delete it or pass another --output-dir or --name")
+    changed = [f"{key} {old.get(key)!r} -> {settings.get(key)!r}" for key in sorted(old.keys() | settings.keys())
+               if old.get(key) != settings.get(key)]
+    if changed:
+        fail(f"{path} was written with other settings ({'; '.join(changed)}): pass another --output-dir or --name, "
+             "or delete it")
+    done = {}
+    for number, record in enumerate(lines[1:], start=2):
+        if record["index"] < len(prompts) and record["prompt"] != prompts[record["index"]]:
+            fail(f"{path}:{number}: prompt {record['index']} is not the prompt of the same index in --eval-data now")
+        done[record["index"]] = record
+    if len(complete) < len(raw):
+        with path.open("r+b") as f:
+            f.truncate(len(complete))
+    return done
+
+
+def mean_and_stderr(values):
+    values = np.asarray(values, dtype=np.float64)
+    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else None
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    check_args(args)
+    device = torch.device(args.device)
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
+    judge_name = None if args.judge in ("none", args.reward) else args.judge
+    lora, weights_sha256, rank, alpha, trained_model = None, None, None, None, None
+    if args.checkpoint:
+        lora, rank, alpha, trained_model, weights_sha256 = read_checkpoint(args)
+        what = "__".join(Path(args.checkpoint).resolve().parts[-2:]) + f"__{args.adapter}"
+    elif args.lora:
+        (lora, weights_sha256), rank, alpha = read_lora(args), args.lora_rank, args.lora_alpha
+        what = "__".join(Path(args.lora).resolve().parts[-3:])
+    model = args.model or trained_model or DEFAULT_MODEL
+    if not (args.checkpoint or args.lora):
+        what = f"base__{Path(model).name}"
+    try:
+        records = load_prompts(args.eval_data)[0]
+    except DataError as error:
+        fail(error)
+    if args.num_prompts > len(records):
+        fail(f"--num-prompts {args.num_prompts}: {args.eval_data} holds {len(records)} prompts")
+    records = records[: args.num_prompts or None]
+    prompts, targets = [r["prompt"] for r in records], [r["target"] for r in records]
+    # what defines the scores; a results file continues only under the same
+    settings = {"model": model, "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None,
+                "adapter": args.adapter if args.checkpoint else None, "lora": str(Path(args.lora).resolve()) if args.lora else None,
+                "lora_rank": rank, "lora_alpha": alpha, "weights_sha256": weights_sha256,
+                "eval_data": str(Path(args.eval_data).resolve()), "seed": args.seed, "num_steps": args.num_steps,
+                "guidance": args.guidance, "negative_prompt": "", "resolution": args.resolution,
+                "max_sequence_length": args.max_sequence_length, "dtype": "bfloat16" if device.type == "cuda" else "float32",
+                "reward": args.reward, "reward_model": args.reward_model if args.reward in ("qwen-vl", "vllm") else None,
+                "judge": judge_name}
+    name = args.name or f"{what}__{args.reward}__cfg{args.guidance:g}_{args.num_steps}steps_{args.resolution}px_seed{args.seed}"
+    out = Path(args.output_dir) / name
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = read_results(results_path, settings, prompts)
+    todo = [i for i in range(len(prompts)) if i not in done]
+    print(f"{out}: {len(prompts) - len(todo)} of {len(prompts)} prompts already scored", flush=True)
+
+    if todo:
+        try:
+            pipe = load_pipeline(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                 text_encoder_device=args.text_encoder_device or None)
+            if lora:
+                targets_of_lora = sorted({key.split(".lora_")[0] for key in lora})  # the LoRA's own module names
+                add_lora_adapters(pipe.transformer, rank, alpha, names=("evaluated",), targets=targets_of_lora)
+                load_lora_state_dict(pipe.transformer, "evaluated", lora)
+            scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
+                                 urls=args.reward_urls, batch_size=args.batch_size)
+            judge = make_scorer(judge_name) if judge_name else None
+        except (OSError, RuntimeError, ValueError, KeyError) as error:
+            fail(str(error).splitlines()[0] if str(error) else repr(error))
+        if args.compile and device.type == "cuda":
+            compile_blocks(pipe.transformer)
+            compile_decoder(pipe.vae)
+        negative = negative_embeddings(pipe, args.max_sequence_length)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    scoring, judging = ThreadPoolExecutor(1), ThreadPoolExecutor(1)  # the scorers read a chunk while the next samples
+    pending = []  # (indices, images, scores future, judge future) of the sampled parts of chunks, in order
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", desc="evaluating")
+    started = time.perf_counter()
+
+    def write(indices, images, scored, judged):
+        """Append the lines of one scored part of a chunk to results.jsonl (after the images it keeps)."""
+        (scores, texts), (judge_scores, judge_texts) = scored.result(), judged.result() if judged else ([None], [None])
+        lines = []
+        for j, i in enumerate(indices):
+            if i < args.grid_images or args.save_images:
+                Image.fromarray(images[j]).save(out / "images" / f"{i:05d}.png")
+            done[i] = {"index": i, "prompt": prompts[i], "target": targets[i], "transcription": texts[j],
+                       "score": float(scores[j])}
+            if judged:
+                done[i].update({f"{judge_name}_transcription": judge_texts[j], f"{judge_name}_score": float(judge_scores[j])})
+            lines.append(json.dumps(done[i], ensure_ascii=False) + "\n")
+        with results_path.open("a", encoding="utf-8") as results:
+            results.write("".join(lines))
+        bar.update(len(indices))
+
+    try:
+        for first in range(0, len(todo), args.batch_size):
+            indices = todo[first : first + args.batch_size]
+            embeds, pooled = encode_prompts(pipe, [prompts[i] for i in indices], args.max_sequence_length)
+            written = len(pending)  # the parts of earlier chunks, scored while this one samples
+
+            def score_part(rows, images):
+                part = indices[rows]
+                part_targets = [targets[i] for i in part]
+                pending.append((part, images, scoring.submit(scorer, images, part_targets),
+                                judging.submit(judge, images, part_targets) if judge else None))
+
+            with autocast:
+                sample(pipe, embeds, pooled, [args.seed + i for i in indices], args.num_steps, args.guidance,
+                       args.resolution, args.resolution, args.forward_batch_size, negative_embeds=negative[0],
+                       negative_pooled=negative[1], on_decoded=score_part)
+            for entry in pending[:written]:
+                write(*entry)
+            del pending[:written]
+        for entry in pending:
+            write(*entry)
+    except KeyboardInterrupt as interrupt:
+        scoring.shutdown(wait=False, cancel_futures=True)
+        judging.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+        signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+        print(f"stopped by signal {signum}: {len(done)} of {len(prompts)} prompts are scored in {results_path}; "
+              "the same command continues", file=sys.stderr)
+        sys.exit(128 + signum)
+    except ServerError as error:
+        fail(f"{error} ({len(done)} of {len(prompts)} prompts are scored in {results_path}; the same command continues)")
+    bar.close()
+    seconds = time.perf_counter() - started
+
+    scored = [done[i] for i in range(len(prompts))]
+    mean, stderr = mean_and_stderr([r["score"] for r in scored])
+    summary = {"name": name, "num_prompts": len(prompts), "reward": args.reward, "mean": mean, "stderr": stderr}
+    report = f"{args.reward} {mean:.4f} ± {stderr or 0:.4f}"
+    if judge_name:
+        judge_mean, judge_stderr = mean_and_stderr([r[f"{judge_name}_score"] for r in scored])
+        summary["judge"] = {"scorer": judge_name, "mean": judge_mean, "stderr": judge_stderr}
+        report += f", {judge_name} {judge_mean:.4f} ± {judge_stderr or 0:.4f}"
+    summary.update(this_run={"prompts": len(todo), "seconds": seconds}, settings=settings, prompts=scored)
+    (out / "results.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False), encoding="utf-8")
+    grid = [r for r in scored[: args.grid_images] if (out / "images" / f"{r['index']:05d}.png").is_file()]
+    captions = [f"{r['score']:.2f}" + (f" ({judge_name} {r[f'{judge_name}_score']:.2f})" if judge_name else "") +
+                f" {r['target']}" for r in grid]
+    if grid:
+        images = np.stack([np.asarray(Image.open(out / "images" / f"{r['index']:05d}.png")) for r in grid])
+        Image.fromarray(captioned_grid(images, captions)).save(out / "grid.png")
+    print(f"{report} (mean ± standard error over {len(prompts)} prompts): {out / 'results.json'}, {out / 'grid.png'}")

@@ -1,0 +1,156 @@
+"""evaluate.py on the tiny model (CPU), and the trainers' PP-OCR judge: a checkpoint's adapter, a diffusers LoRA and the
+base model reproduce a trainer's own validation; stop and resume; bad inputs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from reward import compressibility, make_scorer
+from tensorboard_logs import scalars
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data" / "ocr"
+# the trainers' validation protocol in test_trainers.py's runs: 4 prompts, 4 steps, CFG 4.5, seeds 0.., 64 pixels
+PROTOCOL = ["--eval-data", str(DATA / "test.txt"), "--num-prompts", "4", "--num-steps", "4", "--resolution", "64",
+            "--reward", "brightness", "--device", "cpu"]
+
+
+def run(tiny_model_dir, *args, check=True, background=False):
+    """evaluate.py with `args`: its CompletedProcess, or with `background` its Popen (output piped)."""
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
+    cmd = [sys.executable, "evaluate.py", *map(str, args)]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    return result
+
+
+def results(out_dir):
+    (path,) = Path(out_dir).glob("*/results.json")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """A crd.py run of 2 iterations on the tiny model, validating (with its default PP-OCR judge) and saving each."""
+    out = tmp_path_factory.mktemp("crd")
+    cmd = [sys.executable, "crd.py", "--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data",
+           str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--prompts-per-rank", "2",
+           "--group-size", "4", "--eval-prompts", "4", "--eval-steps", "4", "--learning-rate", "3e-3", "--num-iterations",
+           "2", "--eval-every", "1", "--save-every", "1", "--output-dir", str(out), "--run-name", "run"]
+    subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}, check=True,
+                   capture_output=True, timeout=600)
+    return out / "run"
+
+
+def test_a_checkpoint_and_its_lora_reproduce_the_trainers_validation(trained, tiny_model_dir, tmp_path):
+    """The sampling adapter of global_step_2 under the trainer's protocol scores what the trainer logged at iteration
+    2, reward and PP-OCR judge alike; so does the exported LoRA (CRD's sampling adapter is still a copy of the policy)."""
+    run(tiny_model_dir, "--checkpoint", trained / "global_step_2", *PROTOCOL, "--output-dir", tmp_path / "checkpoint")
+    run(tiny_model_dir, "--lora", trained / "global_step_2" / "policy_lora", "--model", "tiny", *PROTOCOL,
+        "--output-dir", tmp_path / "lora")
+    logged, paddle = scalars(trained, "eval/reward_mean"), scalars(trained, "eval/reward_paddle")
+    assert sorted(paddle) == [0, 1, 2]
+    for name in ("checkpoint", "lora"):
+        evaluated = results(tmp_path / name)
+        assert evaluated["num_prompts"] == 4 and [r["index"] for r in evaluated["prompts"]] == [0, 1, 2, 3]
+        assert evaluated["mean"] == pytest.approx(logged[2], rel=1e-6), name
+        assert evaluated["judge"]["scorer"] == "paddle" and evaluated["judge"]["mean"] == pytest.approx(paddle[2], abs=1e-6)
+        scores = [r["score"] for r in evaluated["prompts"]]
+        assert evaluated["stderr"] == pytest.approx(np.std(scores, ddof=1) / 2)
+    assert results(tmp_path / "checkpoint")["settings"]["lora_rank"] == 32  # read from trainer_state.json
+    # the judge's line is PP-OCR on the very images: read them back and score them here
+    (out,) = (tmp_path / "checkpoint").iterdir()
+    images = [Image.open(out / "images" / f"{i:05d}.png") for i in range(4)]
+    evaluated = results(tmp_path / "checkpoint")
+    expected, texts = make_scorer("paddle")(images, [r["target"] for r in evaluated["prompts"]])
+    assert [r["paddle_score"] for r in evaluated["prompts"]] == pytest.approx(expected.tolist())
+    assert [r["paddle_transcription"] for r in evaluated["prompts"]] == texts
+    grid = np.asarray(Image.open(out / "grid.png"))
+    assert grid.shape[1] == 4 * 64 and grid.shape[0] > 64
+
+
+def test_stopped_runs_resume_without_rescoring(trained, tiny_model_dir, tmp_path):
+    """2 prompts, then all 8 stopped by SIGTERM after a chunk, then the same command again: prompts already in
+    results.jsonl are never scored again, and every score is what one uninterrupted run gives. The base model is what
+    the trainer validated before training (every adapter equals it then)."""
+    base = ["--model", "tiny", *PROTOCOL, "--num-prompts", 0, "--judge", "compressibility", "--batch-size", 1,
+            "--save-images"]
+    run(tiny_model_dir, *base, "--output-dir", tmp_path / "straight")
+    straight = results(tmp_path / "straight")
+    scores = [r["score"] for r in straight["prompts"]]
+    assert np.mean(scores[:4]) == pytest.approx(scalars(trained, "eval/reward_mean")[0], rel=1e-6)
+    assert np.mean(scores[:4]) != pytest.approx(scalars(trained, "eval/reward_mean")[2], rel=1e-6)  # it trained
+    images = [Image.open(p) for p in sorted(next((tmp_path / "straight").iterdir()).glob("images/*.png"))]
+    assert len(images) == 8 and [r["compressibility_score"] for r in straight["prompts"]] == pytest.approx(
+        compressibility(images)[0].tolist())  # the judge's scores are those of the images kept
+
+    out = tmp_path / "resumed"
+    first = run(tiny_model_dir, *base, "--num-prompts", 2, "--output-dir", out)
+    assert "0 of 2 prompts already scored" in first.stdout
+    (lines,) = out.glob("*/results.jsonl")
+    records = [json.loads(line) for line in lines.read_text().splitlines()]
+    records[1]["transcription"] = "scored before"  # a mark that survives only if prompt 0 is not scored again
+    lines.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    process = run(tiny_model_dir, *base, "--output-dir", out, background=True)
+    deadline = time.time() + 300
+    while len(lines.read_text().splitlines()) < 1 + 3 and time.time() < deadline:  # settings line, 2 + 1 prompts
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM and "the same command continues" in stderr, stderr[-2000:]
+    stopped_at = len(lines.read_text().splitlines()) - 1
+    assert 3 <= stopped_at < 8 and "Traceback" not in stderr
+
+    last = run(tiny_model_dir, *base, "--output-dir", out)
+    assert f"{stopped_at} of 8 prompts already scored" in last.stdout
+    resumed = results(out)
+    assert resumed["this_run"]["prompts"] == 8 - stopped_at
+    assert resumed["prompts"][0]["transcription"] == "scored before"
+    for key in ("score", "compressibility_score"):
+        assert [r[key] for r in resumed["prompts"]] == pytest.approx([r[key] for r in straight["prompts"]], rel=1e-6)
+    assert resumed["mean"] == pytest.approx(straight["mean"], rel=1e-6)
+
+    other = run(tiny_model_dir, *base, "--output-dir", out, "--num-steps", 5, "--name", resumed["name"], check=False)
+    assert other.returncode != 0 and "was written with other settings (num_steps 4 -> 5)" in other.stderr
+
+
+@pytest.fixture(scope="module")
+def rank_8_lora(tmp_path_factory, tiny_model_dir):
+    """A diffusers LoRA directory of rank 8, alpha 8 (export_lora's format)."""
+    import rollout
+
+    pipe = rollout.load_pipeline(str(tiny_model_dir))
+    rollout.add_lora_adapters(pipe.transformer, 8, 8, names=("policy",))
+    path = tmp_path_factory.mktemp("lora") / "rank_8"
+    rollout.export_lora(pipe.transformer, "policy", path)
+    return path
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--checkpoint", "runs/none/global_step_3"], "--checkpoint runs/none/global_step_3: not a checkpoint directory"),
+    (["--checkpoint", "TRAINED", "--adapter", "ema"], "--adapter ema: "),
+    (["--lora", "LORA"], "a LoRA of rank 8, but --lora-rank 32"),
+    (["--lora", "LORA", "--lora-rank", "8"], "a LoRA of alpha 8, but --lora-alpha 64"),
+    (["--model", "/nonexistent/sd35"], "could not load the SD3 model '/nonexistent/sd35'"),
+    (["--eval-data", "missing/test.jsonl"], "missing/test.jsonl: prompt file not found"),
+])
+def test_bad_input_gives_one_clear_line(extra, message, trained, rank_8_lora, tiny_model_dir, tmp_path):
+    extra = [{"TRAINED": trained / "global_step_2", "LORA": rank_8_lora}.get(arg, arg) for arg in extra]
+    result = run(tiny_model_dir, "--model", "tiny", *PROTOCOL, *extra,
+                 "--output-dir", tmp_path, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    if "--adapter" in extra:
+        assert lines[-1].endswith("holds the adapters old, policy, sampling")
