@@ -92,7 +92,7 @@ class Args:
     text_encoder_device: str = ""
     """device of the CLIP and T5 text encoders (default: --device)"""
     batch_size: int = 32
-    """prompts per chunk: each chunk is sampled, scored and appended to results.jsonl before the next one is written"""
+    """prompts sampled per chunk; a chunk is scored, and appended to results.jsonl, while the next one samples"""
     forward_batch_size: int = 48
     """most rows in one transformer forward (a CFG image takes two)"""
     compile: bool = False
@@ -125,10 +125,13 @@ def check_args(args):
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
     for flag in ("device", "reward_device", "text_encoder_device"):
+        name = getattr(args, flag)
         try:
-            torch.device(getattr(args, flag) or "cpu")
+            index = torch.device(name).index if name else None
         except RuntimeError:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: not a torch device (cpu, cuda, cuda:1, ...)")
+            fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
+        if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
+            fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def file_sha256(path):
@@ -192,7 +195,7 @@ def read_results(path, settings, prompts):
         return {}
     try:
         lines = [json.loads(line) for line in complete.splitlines()]
-        old = lines[0]["settings"]
+        old, scored = lines[0]["settings"], {record["index"]: record for record in lines[1:]}
     except (json.JSONDecodeError, KeyError, TypeError):
         fail(f"{path}: not a results file of evaluate.py; delete it or pass another --output-dir or --name")
     changed = [f"{key} {old.get(key)!r} -> {settings.get(key)!r}" for key in sorted(old.keys() | settings.keys())
@@ -200,15 +203,13 @@ def read_results(path, settings, prompts):
     if changed:
         fail(f"{path} was written with other settings ({'; '.join(changed)}): pass another --output-dir or --name, "
              "or delete it")
-    done = {}
-    for number, record in enumerate(lines[1:], start=2):
-        if record["index"] < len(prompts) and record["prompt"] != prompts[record["index"]]:
-            fail(f"{path}:{number}: prompt {record['index']} is not the prompt of the same index in --eval-data now")
-        done[record["index"]] = record
+    for index, record in scored.items():
+        if index < len(prompts) and record["prompt"] != prompts[index]:
+            fail(f"{path}: prompt {index} is {record['prompt']!r}, but {prompts[index]!r} in --eval-data now")
     if len(complete) < len(raw):
         with path.open("r+b") as f:
             f.truncate(len(complete))
-    return done
+    return scored
 
 
 def mean_and_stderr(values):
@@ -257,6 +258,17 @@ if __name__ == "__main__":
     todo = [i for i in range(len(prompts)) if i not in done]
     print(f"{out}: {len(prompts) - len(todo)} of {len(prompts)} prompts already scored", flush=True)
 
+    scoring, judging = ThreadPoolExecutor(1), ThreadPoolExecutor(1)  # the scorers read a chunk while the next samples
+
+    def stop(signum, frame):
+        for executor in (scoring, judging):
+            executor.shutdown(wait=False, cancel_futures=True)
+        print(f"\nstopped by signal {signum}: {len(done)} of {len(prompts)} prompts are scored in {results_path}; "
+              "the same command continues", file=sys.stderr)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     if todo:
         try:
             pipe = load_pipeline(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -275,27 +287,23 @@ if __name__ == "__main__":
             compile_decoder(pipe.vae)
         negative = negative_embeddings(pipe, args.max_sequence_length)
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    scoring, judging = ThreadPoolExecutor(1), ThreadPoolExecutor(1)  # the scorers read a chunk while the next samples
     pending = []  # (indices, images, scores future, judge future) of the sampled parts of chunks, in order
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", desc="evaluating")
     started = time.perf_counter()
 
     def write(indices, images, scored, judged):
-        """Append the lines of one scored part of a chunk to results.jsonl (after the images it keeps)."""
-        (scores, texts), (judge_scores, judge_texts) = scored.result(), judged.result() if judged else ([None], [None])
+        """Append the lines of one scored part of a chunk to results.jsonl, after saving the images it keeps."""
+        (scores, texts), (judge_scores, judge_texts) = scored.result(), judged.result() if judged else ([], [])
         lines = []
         for j, i in enumerate(indices):
             if i < args.grid_images or args.save_images:
                 Image.fromarray(images[j]).save(out / "images" / f"{i:05d}.png")
-            done[i] = {"index": i, "prompt": prompts[i], "target": targets[i], "transcription": texts[j],
-                       "score": float(scores[j])}
+            record = {"index": i, "prompt": prompts[i], "target": targets[i], "transcription": texts[j],
+                      "score": float(scores[j])}
             if judged:
-                done[i].update({f"{judge_name}_transcription": judge_texts[j], f"{judge_name}_score": float(judge_scores[j])})
-            lines.append(json.dumps(done[i], ensure_ascii=False) + "\n")
+                record.update({f"{judge_name}_transcription": judge_texts[j], f"{judge_name}_score": float(judge_scores[j])})
+            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+            done[i] = record
         with results_path.open("a", encoding="utf-8") as results:
             results.write("".join(lines))
         bar.update(len(indices))
@@ -304,7 +312,7 @@ if __name__ == "__main__":
         for first in range(0, len(todo), args.batch_size):
             indices = todo[first : first + args.batch_size]
             embeds, pooled = encode_prompts(pipe, [prompts[i] for i in indices], args.max_sequence_length)
-            written = len(pending)  # the parts of earlier chunks, scored while this one samples
+            earlier = len(pending)  # the parts of earlier chunks: scored while this one samples, then written
 
             def score_part(rows, images):
                 part = indices[rows]
@@ -316,35 +324,29 @@ if __name__ == "__main__":
                 sample(pipe, embeds, pooled, [args.seed + i for i in indices], args.num_steps, args.guidance,
                        args.resolution, args.resolution, args.forward_batch_size, negative_embeds=negative[0],
                        negative_pooled=negative[1], on_decoded=score_part)
-            for entry in pending[:written]:
-                write(*entry)
-            del pending[:written]
-        for entry in pending:
-            write(*entry)
-    except KeyboardInterrupt as interrupt:
-        scoring.shutdown(wait=False, cancel_futures=True)
-        judging.shutdown(wait=False, cancel_futures=True)
-        bar.close()
-        signum = interrupt.args[0] if interrupt.args else signal.SIGINT
-        print(f"stopped by signal {signum}: {len(done)} of {len(prompts)} prompts are scored in {results_path}; "
-              "the same command continues", file=sys.stderr)
-        sys.exit(128 + signum)
+            for part in pending[:earlier]:
+                write(*part)
+            del pending[:earlier]
+        for part in pending:
+            write(*part)
     except ServerError as error:
         fail(f"{error} ({len(done)} of {len(prompts)} prompts are scored in {results_path}; the same command continues)")
     bar.close()
     seconds = time.perf_counter() - started
 
-    scored = [done[i] for i in range(len(prompts))]
-    mean, stderr = mean_and_stderr([r["score"] for r in scored])
+    evaluated = [done[i] for i in range(len(prompts))]
+    mean, stderr = mean_and_stderr([r["score"] for r in evaluated])
     summary = {"name": name, "num_prompts": len(prompts), "reward": args.reward, "mean": mean, "stderr": stderr}
     report = f"{args.reward} {mean:.4f} ± {stderr or 0:.4f}"
     if judge_name:
-        judge_mean, judge_stderr = mean_and_stderr([r[f"{judge_name}_score"] for r in scored])
+        judge_mean, judge_stderr = mean_and_stderr([r[f"{judge_name}_score"] for r in evaluated])
         summary["judge"] = {"scorer": judge_name, "mean": judge_mean, "stderr": judge_stderr}
         report += f", {judge_name} {judge_mean:.4f} ± {judge_stderr or 0:.4f}"
-    summary.update(this_run={"prompts": len(todo), "seconds": seconds}, settings=settings, prompts=scored)
-    (out / "results.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False), encoding="utf-8")
-    grid = [r for r in scored[: args.grid_images] if (out / "images" / f"{r['index']:05d}.png").is_file()]
+    summary.update(this_run={"prompts": len(todo), "seconds": seconds}, settings=settings, prompts=evaluated)
+    partial = out / ".results.json.tmp"
+    partial.write_text(json.dumps(summary, indent=1, ensure_ascii=False), encoding="utf-8")
+    partial.replace(out / "results.json")
+    grid = [r for r in evaluated[: args.grid_images] if (out / "images" / f"{r['index']:05d}.png").is_file()]
     captions = [f"{r['score']:.2f}" + (f" ({judge_name} {r[f'{judge_name}_score']:.2f})" if judge_name else "") +
                 f" {r['target']}" for r in grid]
     if grid:
