@@ -4,7 +4,8 @@
 #   bash run.sh dgpo [trainer args...]     the matched DGPO baseline
 #   bash run.sh compare RUN_DIR_A RUN_DIR_B   the anchor table of two finished runs, side by side
 # Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
-# TOTAL_TRAINING_STEPS (100 iterations), OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
+# TOTAL_TRAINING_STEPS (100 iterations), EVAL_PROMPTS (32 held-out prompts per validation; the anchor table used 128),
+# OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
 # REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -47,13 +48,14 @@ NUM_GPUS_REWARD=${NUM_GPUS_REWARD:-1}
 GROUP_SIZE=${GROUP_SIZE:-6}
 IMAGE_RESOLUTION=${IMAGE_RESOLUTION:-512}
 TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-100}
+EVAL_PROMPTS=${EVAL_PROMPTS:-32}
 OUTPUT_DIR=${OUTPUT_DIR:-runs/$algo}
 TRAIN_DATA=${TRAIN_DATA:-data/ocr/train.jsonl}
 EVAL_DATA=${EVAL_DATA:-data/ocr/test.jsonl}
 MODEL=${MODEL:-stabilityai/stable-diffusion-3.5-medium}
 REWARD_MODEL=${REWARD_MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}
 REWARD_PORT=${REWARD_PORT:-8000}
-for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS REWARD_PORT; do
+for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS EVAL_PROMPTS REWARD_PORT; do
   [[ ${!name} =~ ^(0|[1-9][0-9]*)$ ]] || { echo "run.sh: error: $name=${!name}: not a whole number" >&2; exit 1; }
 done
 (( NUM_GPUS_ACTOR_ROLLOUT > 0 )) || { echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed" >&2; exit 1; }
@@ -80,7 +82,8 @@ else
   reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 trainer=("$algo.py" --model "$MODEL" --train-data "$TRAIN_DATA" --eval-data "$EVAL_DATA" --group-size "$GROUP_SIZE"
-         --resolution "$IMAGE_RESOLUTION" --num-iterations "$TOTAL_TRAINING_STEPS" --output-dir "$OUTPUT_DIR"
+         --resolution "$IMAGE_RESOLUTION" --num-iterations "$TOTAL_TRAINING_STEPS" --eval-prompts "$EVAL_PROMPTS"
+         --output-dir "$OUTPUT_DIR"
          "${reward_args[@]}" "$@")
 
 if $serve_reward; then

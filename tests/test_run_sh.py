@@ -6,6 +6,7 @@ tiny model on CPU. The `python3` first on PATH is one without torch (as when the
 that is not activated): run.sh must use $PYTHON, which the tests set to this interpreter.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -87,7 +88,7 @@ def test_reward_server_serves_the_run_and_stops_with_it(tmp_path, tiny_model_dir
     port = free_port()
     env = {**fake_tools(tmp_path), "CRD_CACHE": str(tiny_model_dir.parent), "OUTPUT_DIR": str(tmp_path / "runs"),
            "REWARD_PORT": str(port), "TRAIN_DATA": str(DATA / "train.txt"), "EVAL_DATA": str(DATA / "test.txt"),
-           "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64", "TOTAL_TRAINING_STEPS": "1"}
+           "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64", "TOTAL_TRAINING_STEPS": "1", "EVAL_PROMPTS": "3"}
     result = run_sh(env, "crd", "--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1", "--eval-every", "0",
                     "--run-name", "served", "--text-encoder-device", "cpu")  # extra args win over run.sh's layout
     assert result.returncode == 0, result.stderr[-3000:]
@@ -97,6 +98,8 @@ def test_reward_server_serves_the_run_and_stops_with_it(tmp_path, tiny_model_dir
     assert "--text-encoder-device cuda:1 --reward vllm" in result.stdout
     assert f"--reward vllm --reward-model Qwen/Qwen2.5-VL-3B-Instruct --reward-urls http://127.0.0.1:{port}" in result.stdout
     assert (tmp_path / "runs" / "served" / "summary.json").is_file()
+    state = json.loads((tmp_path / "runs" / "served" / "global_step_1" / "trainer_state.json").read_text())
+    assert state["args"]["eval_prompts"] == 3  # EVAL_PROMPTS reached the trainer
     server_log = (tmp_path / "runs" / "reward_server.log").read_text()
     assert server_log.count("chat completion") == 2  # one request per image: 1 prompt x 2 images
     with socket.socket() as s:  # the server went down with the run
