@@ -1,6 +1,6 @@
 """Score SD3.5 on the held-out OCR prompts: the base model, an adapter of a trainer checkpoint, or a diffusers LoRA.
 
-    python evaluate.py --checkpoint runs/crd/<run>/global_step_100        # its sampling adapter, as the trainers validate
+    python evaluate.py --checkpoint runs/crd/<run>/global_step_100        # its sampling adapter, as validated
     python evaluate.py --checkpoint runs/crd/<run>/global_step_100 --adapter policy --num-prompts 128
     python evaluate.py --lora runs/crd/<run>/global_step_100/policy_lora  # any diffusers-format SD3 LoRA
     python evaluate.py                                                    # the base model
@@ -27,14 +27,15 @@ from typing import Literal
 import numpy as np
 import torch
 import tyro
+from diffusers import StableDiffusion3Pipeline
 from PIL import Image
 from safetensors.torch import load_file
 from tqdm import tqdm
 
 from data import DataError, load_prompts
 from reward import SCORERS, ServerError, make_scorer
-from rollout import (add_lora_adapters, captioned_grid, compile_blocks, compile_decoder, encode_prompts, load_lora_state_dict,
-                     load_pipeline, negative_embeddings, sample)
+from rollout import (add_lora_adapters, captioned_grid, compile_blocks, compile_decoder, encode_prompts,
+                     load_lora_state_dict, load_pipeline, negative_embeddings, sample)
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 
@@ -45,17 +46,17 @@ class Args:
 
     # What is evaluated (neither --checkpoint nor --lora: the base model)
     checkpoint: str = ""
-    """a global_step_N directory of crd.py or dgpo.py; its LoRA rank and alpha (and default model) come from its trainer_state.json"""
+    """a global_step_N directory of crd.py or dgpo.py (its LoRA rank, alpha and model are read from trainer_state.json)"""
     adapter: str = "sampling"
     """adapter of --checkpoint: sampling (what the trainers roll out and validate with), policy or old"""
     lora: str = ""
-    """a diffusers-format LoRA directory: a checkpoint's policy_lora/, or any that StableDiffusion3Pipeline.load_lora_weights reads"""
+    """a diffusers-format SD3 LoRA directory (what StableDiffusion3Pipeline.load_lora_weights reads): e.g. policy_lora/"""
     lora_rank: int = 32
     """rank of --lora: a LoRA of another rank is an error"""
     lora_alpha: int = 64
     """alpha of --lora (its scale is alpha / rank): must agree with the alpha the LoRA records, if it records one"""
     model: str = ""
-    """hub id or local directory of SD3.5, `tiny` or `random-sd3.5-medium` (default: the checkpoint's model, else SD3.5-M)"""
+    """hub id or local directory of SD3.5, `tiny` or `random-sd3.5-medium` (default: the checkpoint's, else SD3.5-M)"""
 
     # Prompts and protocol (defaults: the recipe's validation)
     eval_data: str = "data/ocr/test.jsonl"
@@ -75,7 +76,7 @@ class Args:
 
     # Scoring
     reward: str = "qwen-vl"
-    """scorer: qwen-vl (in process), vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility (cheap checks)"""
+    """scorer: qwen-vl (in process), vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility (checks)"""
     reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
     """hub id or local directory of the OCR model (qwen-vl, vllm)"""
     reward_device: str = ""
@@ -134,11 +135,13 @@ def check_args(args):
             fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
-def file_sha256(path):
+def sha256(*paths):
+    """Hex SHA-256 of the files' contents, one after the other."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 
@@ -155,14 +158,13 @@ def read_checkpoint(args):
     if args.adapter not in names:
         fail(f"--adapter {args.adapter}: {path / 'adapters.safetensors'} holds the adapters {', '.join(names)}")
     state = {k.split(".", 1)[1]: v for k, v in adapters.items() if k.split(".", 1)[0] == args.adapter}
-    return state, trained["lora_rank"], trained["lora_alpha"], trained.get("model"), file_sha256(path / "adapters.safetensors")
+    weights_sha256 = sha256(path / "adapters.safetensors")
+    return state, trained["lora_rank"], trained["lora_alpha"], trained.get("model"), weights_sha256
 
 
 def read_lora(args):
     """(LoRA {key: tensor} in lora_state_dict's keys, sha256 of its weights) of a diffusers-format directory, checked
     against --lora-rank and --lora-alpha."""
-    from diffusers import StableDiffusion3Pipeline
-
     path = Path(args.lora)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
@@ -181,7 +183,7 @@ def read_lora(args):
     alpha = (metadata or {}).get("transformer.lora_alpha")
     if alpha is not None and alpha != args.lora_alpha:
         fail(f"--lora {path}: a LoRA of alpha {alpha}, but --lora-alpha {args.lora_alpha}")
-    return state, file_sha256(files[0]) if len(files) == 1 else [file_sha256(f) for f in files]
+    return state, sha256(*files)
 
 
 def read_results(path, settings, prompts):
@@ -243,14 +245,15 @@ if __name__ == "__main__":
     prompts, targets = [r["prompt"] for r in records], [r["target"] for r in records]
     # what defines the scores; a results file continues only under the same
     settings = {"model": model, "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None,
-                "adapter": args.adapter if args.checkpoint else None, "lora": str(Path(args.lora).resolve()) if args.lora else None,
-                "lora_rank": rank, "lora_alpha": alpha, "weights_sha256": weights_sha256,
-                "eval_data": str(Path(args.eval_data).resolve()), "seed": args.seed, "num_steps": args.num_steps,
-                "guidance": args.guidance, "negative_prompt": "", "resolution": args.resolution,
-                "max_sequence_length": args.max_sequence_length, "dtype": "bfloat16" if device.type == "cuda" else "float32",
-                "reward": args.reward, "reward_model": args.reward_model if args.reward in ("qwen-vl", "vllm") else None,
-                "judge": judge_name}
-    name = args.name or f"{what}__{args.reward}__cfg{args.guidance:g}_{args.num_steps}steps_{args.resolution}px_seed{args.seed}"
+                "adapter": args.adapter if args.checkpoint else None,
+                "lora": str(Path(args.lora).resolve()) if args.lora else None, "lora_rank": rank, "lora_alpha": alpha,
+                "weights_sha256": weights_sha256, "eval_data": str(Path(args.eval_data).resolve()), "seed": args.seed,
+                "num_steps": args.num_steps, "guidance": args.guidance, "negative_prompt": "",
+                "resolution": args.resolution, "max_sequence_length": args.max_sequence_length,
+                "dtype": "bfloat16" if device.type == "cuda" else "float32", "reward": args.reward,
+                "reward_model": args.reward_model if args.reward in ("qwen-vl", "vllm") else None, "judge": judge_name}
+    protocol = f"cfg{args.guidance:g}_{args.num_steps}steps_{args.resolution}px_seed{args.seed}"
+    name = args.name or f"{what}__{args.reward}__{protocol}"
     out = Path(args.output_dir) / name
     (out / "images").mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
@@ -301,7 +304,8 @@ if __name__ == "__main__":
             record = {"index": i, "prompt": prompts[i], "target": targets[i], "transcription": texts[j],
                       "score": float(scores[j])}
             if judged:
-                record.update({f"{judge_name}_transcription": judge_texts[j], f"{judge_name}_score": float(judge_scores[j])})
+                record[f"{judge_name}_transcription"] = judge_texts[j]
+                record[f"{judge_name}_score"] = float(judge_scores[j])
             lines.append(json.dumps(record, ensure_ascii=False) + "\n")
             done[i] = record
         with results_path.open("a", encoding="utf-8") as results:
@@ -330,7 +334,8 @@ if __name__ == "__main__":
         for part in pending:
             write(*part)
     except ServerError as error:
-        fail(f"{error} ({len(done)} of {len(prompts)} prompts are scored in {results_path}; the same command continues)")
+        fail(f"{error} ({len(done)} of {len(prompts)} prompts are scored in {results_path}; the same command "
+             "continues)")
     bar.close()
     seconds = time.perf_counter() - started
 
