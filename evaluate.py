@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 from data import DataError, load_prompts
 from reward import SCORERS, ServerError, make_scorer
-from rollout import (add_lora_adapters, captioned_grid, compile_blocks, compile_decoder, encode_prompts,
-                     load_lora_state_dict, load_pipeline, negative_embeddings, sample)
+from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
+                     encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, sample)
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 
@@ -236,8 +236,9 @@ if __name__ == "__main__":
     if not (args.checkpoint or args.lora):
         what = f"base__{Path(model).name}"
     try:
+        check_model_path(model)
         records = load_prompts(args.eval_data)[0]
-    except DataError as error:
+    except (DataError, RuntimeError) as error:
         fail(error)
     if args.num_prompts > len(records):
         fail(f"--num-prompts {args.num_prompts}: {args.eval_data} holds {len(records)} prompts")

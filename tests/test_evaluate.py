@@ -143,7 +143,7 @@ def rank_8_lora(tmp_path_factory, tiny_model_dir):
     (["--checkpoint", "TRAINED", "--adapter", "ema"], "--adapter ema: "),
     (["--lora", "LORA"], "a LoRA of rank 8, but --lora-rank 32"),
     (["--lora", "LORA", "--lora-rank", "8"], "a LoRA of alpha 8, but --lora-alpha 64"),
-    (["--model", "/nonexistent/sd35"], "could not load the SD3 model '/nonexistent/sd35'"),
+    (["--model", "/nonexistent/sd35"], "--model /nonexistent/sd35: no such directory"),
     (["--eval-data", "missing/test.jsonl"], "missing/test.jsonl: prompt file not found"),
 ])
 def test_bad_input_gives_one_clear_line(extra, message, trained, rank_8_lora, tiny_model_dir, tmp_path):
