@@ -18,11 +18,8 @@ The defaults are the authors' recipe for CFG-free rollouts; their timestep windo
 
 import json
 import os
-import resource
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -35,15 +32,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from safetensors.torch import load_file, save_file
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from checkpoint import (GracefulStop, RunError, actor_peak_memory, load_checkpoint, other_gpus_memory, prepare_run,
+                        save_checkpoint, write_summary)
 from data import DataError, GroupSampler, load_prompts
 from reward import SCORERS, make_scorer
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder, ema_update_,
-                     encode_prompts, export_lora, load_lora_state_dict, load_pipeline, lora_parameters, lora_state_dict,
-                     negative_embeddings, predict_velocity, sample, use_adapter, warn_cut_targets)
+                     encode_prompts, load_pipeline, lora_parameters, negative_embeddings, predict_velocity, sample,
+                     use_adapter, warn_cut_targets)
 
 
 @dataclass
@@ -58,7 +56,9 @@ class Args:
     output_dir: str = "runs"
     """runs are written to {output_dir}/{run_name}/"""
     run_name: str = ""
-    """run directory name (default: {exp_name}__{reward}__{seed}__{unix time})"""
+    """run directory name; empty: {exp_name}__{reward}__{seed}__{unix time}"""
+    overwrite: bool = False
+    """replace the run already in the run directory (else a directory holding a run is refused, unless resumed)"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """actor device; under torchrun each rank takes cuda:LOCAL_RANK"""
     dry_run: bool = False
@@ -82,7 +82,7 @@ class Args:
     max_sequence_length: int = 256
     """T5 prompt tokens"""
     text_encoder_device: str = ""
-    """device of the CLIP and T5 text encoders (default: the actor device); a reward GPU takes their 10 GiB off the actor"""
+    """device of the CLIP and T5 text encoders; empty: the actor device. A reward GPU takes their 10 GiB off the actor"""
     lora_rank: int = 32
     """LoRA rank"""
     lora_alpha: int = 64
@@ -102,7 +102,7 @@ class Args:
     reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
     """hub id or local directory of the OCR model (qwen-vl, vllm)"""
     reward_device: str = ""
-    """device of the in-process reward model (default: the actor device)"""
+    """device of the in-process reward model; empty: the actor device"""
     reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """base URLs of `vllm serve` reward servers (reward vllm)"""
     reward_timeout: float = 60.0
@@ -151,9 +151,9 @@ class Args:
     save_every: int = 10
     """checkpoint every N iterations and at the end"""
     keep_last: int = 2
-    """checkpoints kept"""
+    """latest checkpoints kept (0: keep all)"""
     resume_from: str = ""
-    """continue a run from its runs/.../global_step_N directory"""
+    """continue a run from its runs/.../global_step_N directory; settings that define the run must stay the same"""
 
     # Algorithm: DGPO
     # Official DGPO's OCR recipe for CFG-free rollouts (config/dgpo_wocfg.py): README, "Choices where the sources differ"
@@ -251,6 +251,14 @@ def fail(message):
 
 
 def check_args(args):
+    for flag, least in {"resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "num_steps": 2, "train_batch_size": 1,
+                        "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0}.items():
+        if getattr(args, flag) < least:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
+    if args.eval_every and args.eval_prompts < 1:
+        fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns validation off)")
+    if args.overwrite and args.resume_from:
+        fail("--overwrite with --resume-from: a resume continues the run, it never replaces it")
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: centering needs at least 2 images per prompt")
     if args.train_batch_size % args.group_size or (args.prompts_per_rank * args.group_size) % args.train_batch_size:
@@ -272,8 +280,6 @@ def check_args(args):
             fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
         if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
             fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if args.resume_from and not (Path(args.resume_from) / "trainer_state.json").is_file():
-        fail(f"--resume-from {args.resume_from}: not a checkpoint directory (no trainer_state.json)")
 
 
 def all_mean_(tensors, world_size):
@@ -305,47 +311,15 @@ def collect(futures):
     return np.concatenate([chunk[0] for chunk in chunks]), [text for chunk in chunks for text in chunk[1]]
 
 
-def peak_memory_gib(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host peak RSS (KiB on Linux)
-
-
-def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
-    """Write global_step_{iteration}/ atomically (a temporary directory renamed at the end) and prune old ones."""
-    partial = Path(tempfile.mkdtemp(prefix=f".global_step_{iteration}.", dir=run_dir))
-    try:
-        export_lora(transformer, "policy", partial / "policy_lora")
-        adapters = {f"{name}.{key}": value.contiguous() for name in ("policy", "old", "sampling")
-                    for key, value in lora_state_dict(transformer, name).items()}
-        save_file(adapters, partial / "adapters.safetensors")
-        torch.save(optimizer.state_dict(), partial / "optimizer.pt")
-        (partial / "trainer_state.json").write_text(json.dumps(state, indent=1))
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    final = run_dir / f"global_step_{iteration}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    for old in sorted(run_dir.glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))[:-keep_last]:
-        shutil.rmtree(old)
-    return final
-
-
-def load_checkpoint(path, transformer, optimizer, device):
-    adapters = load_file(Path(path) / "adapters.safetensors")
-    for name in ("policy", "old", "sampling"):
-        load_lora_state_dict(transformer, name, {k[len(name) + 1 :]: v for k, v in adapters.items() if k.startswith(name + ".")})
-    optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=device, weights_only=True))
-    return json.loads((Path(path) / "trainer_state.json").read_text())
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     args.train_batch_size = args.train_batch_size or args.group_size
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     check_args(args)
+    try:
+        run_dir, run_lock = prepare_run(args, Path(__file__).stem, world_size, rank == 0)
+    except RunError as error:
+        fail(error)
     device = torch.device(args.device)
     if world_size > 1:
         # ranks wait for rank 0's validation, and for each other's first compile: minutes, past the 10-minute default
@@ -394,33 +368,20 @@ if __name__ == "__main__":
     negative = negative_embeddings(pipe, args.max_sequence_length)
 
     # TRY NOT TO MODIFY: run directory, resume, logging
-    state = {"iteration": 0, "global_step": 0, "eval": [], "iteration_s": [], "peak_mem_gib": 0.0}
+    state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [], "peak_mem_gib": {}}
     if args.resume_from:
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
-        run_dir = Path(args.resume_from).resolve().parent
-    else:
-        run_dir = Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
+    state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
     writer = None
     if main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
         writer = SummaryWriter(run_dir, purge_step=state["iteration"] + 1 if state["iteration"] else None)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
         print(f"run {run_dir}: {world_size} rank(s) x {args.prompts_per_rank} prompts x {G} images = {world_size * B} "
               f"images per iteration, {B // args.train_batch_size} optimizer step(s) per rank, T={T}; "
               f"{len(train_set)} train prompts, {len(eval_set)} eval prompts")
         warn_cut_targets(train_set + eval_set, pipe, args.max_sequence_length)
-    stop_requested = False
-
-    def request_stop(signum, frame):
-        global stop_requested
-        if stop_requested:
-            raise KeyboardInterrupt
-        stop_requested = True
-        print(f"signal {signum}: finishing this iteration, then saving a checkpoint (again to abort)", flush=True)
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    signals = GracefulStop()
 
     def evaluate(iteration):
         started = time.perf_counter()
@@ -458,7 +419,7 @@ if __name__ == "__main__":
 
     if main_process and args.eval_every and not state["eval"]:
         writer.add_scalar("perf/eval_s", evaluate(0), 0)
-    nonfinite_streak = 0
+    nonfinite_streak, stop_signal, stopped_by = 0, 0, None
     iterations = tqdm(range(state["iteration"], args.num_iterations), initial=state["iteration"],
                       total=args.num_iterations, disable=not main_process, desc="iterations")
     for iteration in iterations:
@@ -530,16 +491,16 @@ if __name__ == "__main__":
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
-                state["global_step"] += 1
+                state["optimizer_steps"] += 1
                 nonfinite_streak = 0
-                decays.update(update_snapshots(transformer, args, "optimizer_step", iteration + 1, state["global_step"]))
+                decays.update(update_snapshots(transformer, args, "optimizer_step", iteration + 1, state["optimizer_steps"]))
             else:  # a skipped step moves no snapshot
                 nonfinite_streak, skipped_steps = nonfinite_streak + 1, skipped_steps + 1
                 print(f"iteration {iteration + 1}: non-finite gradient, optimizer step skipped", flush=True)
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm)
         if skipped_steps < B // b:  # nor does an iteration whose every step was skipped
-            decays.update(update_snapshots(transformer, args, "iteration", iteration + 1, state["global_step"]))
+            decays.update(update_snapshots(transformer, args, "iteration", iteration + 1, state["optimizer_steps"]))
         all_mean_(list(losses.values()), world_size)  # log the losses of every rank's groups
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -553,7 +514,6 @@ if __name__ == "__main__":
         steps_per_iteration = B // args.train_batch_size
         if main_process:
             groups = rewards.view(-1, G)
-            perf["peak_mem_gib"] = state["peak_mem_gib"] = max(state["peak_mem_gib"], peak_memory_gib(device))
             logged = {"train/reward_mean": rewards.mean(), "train/reward_std": rewards.std(unbiased=False),
                       "train/zero_std_group_frac": (groups.std(1) == 0).float().mean(),
                       "charts/lr": optimizer.param_groups[0]["lr"],
@@ -566,35 +526,35 @@ if __name__ == "__main__":
                                    s=f"{perf['iteration_s']:.1f}")
             if args.eval_every and ((iteration + 1) % args.eval_every == 0 or iteration + 1 == args.num_iterations):
                 writer.add_scalar("perf/eval_s", evaluate(iteration + 1), iteration + 1)
-        stop = torch.tensor([stop_requested or nonfinite_streak >= args.max_nonfinite_steps], device=device)
+        peaks = actor_peak_memory(device, world_size)  # after validation: it may be the peak
+        state["peak_mem_gib"] = {k: max(v, state["peak_mem_gib"].get(k, 0.0)) for k, v in peaks.items()}
+        stop = torch.tensor([signals.signum or 0, nonfinite_streak >= args.max_nonfinite_steps], device=device)
         if world_size > 1:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if main_process and (stop or (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations):
-            state.update(sampler=sampler.state_dict(), args=asdict(args))
-            save_checkpoint(run_dir, iteration + 1, transformer, optimizer, state, args.keep_last)
-        if stop:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops every rank
+        stop_signal, diverged = stop.tolist()
+        stopped_by = signal.Signals(stop_signal).name if stop_signal else "non-finite gradients" if diverged else None
+        if main_process:
+            writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iteration + 1)
+            if stopped_by or (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
+                state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size,
+                             algorithm=Path(__file__).stem)
+                try:
+                    save_checkpoint(run_dir, iteration + 1, transformer, optimizer, state, args.keep_last)
+                except RunError as error:
+                    fail(error)
+        if stopped_by:
             break
 
     if main_process:
-        history = state["eval"]
-        best = max(history, key=lambda e: e[1], default=[None, None])
-        summary = {"iterations": state["iteration"], "optimizer_steps": state["global_step"],
-                   "initial_eval_reward": history[0][1] if history else None,
-                   "final_eval_reward": history[-1][1] if history else None,
-                   "best_eval_reward": best[1], "best_eval_iteration": best[0],
-                   "mean_iteration_s": float(np.mean(state["iteration_s"])),
-                   "train_images_per_s": world_size * B / float(np.mean(state["iteration_s"])),
-                   "peak_mem_gib": {f"actor {device}": state["peak_mem_gib"]}}
-        other_gpus = {}  # the in-process scorer's and the text encoders' GPUs, where not the actor's
-        for role, name in (("reward", args.reward_device), ("text encoders", args.text_encoder_device)):
-            if name and torch.device(name).type == "cuda" and torch.device(name) != device:
-                other_gpus.setdefault(torch.device(name), []).append(role)
-        summary["peak_mem_gib"].update({f"{' + '.join(r)} {d}": peak_memory_gib(d) for d, r in other_gpus.items()})
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary = write_summary(run_dir, state, args, Path(__file__).stem, world_size, world_size * B, stopped_by,
+                                other_gpus_memory(device, {"reward": args.reward_device,
+                                                           "text encoders": args.text_encoder_device}))
         writer.close()
         print(json.dumps(summary, indent=1))
     if world_size > 1:  # tear the process group down in step, or gloo's threads abort the exit
         dist.barrier()
         dist.destroy_process_group()
-    if nonfinite_streak >= args.max_nonfinite_steps:
+    if stopped_by == "non-finite gradients":
         fail(f"{nonfinite_streak} consecutive non-finite gradients: stopped with a checkpoint in {run_dir}")
+    if stop_signal:
+        sys.exit(128 + stop_signal)  # the shell's convention for a process ended by that signal

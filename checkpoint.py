@@ -1,0 +1,262 @@
+"""Run directory, checkpoints, resume checks and run summaries shared by crd.py and dgpo.py (no algorithm logic).
+
+A run directory holds one run: its TensorBoard events, `global_step_N/` checkpoints (N = iterations done) and
+`summary.json`. A process owns it through an exclusive lock on `run.lock`, held for the process lifetime, so two live
+processes never share one; a directory that already holds a run is only continued by `--resume-from` its checkpoint,
+or replaced with `--overwrite`. A resume refuses settings that would change the run's math (`SAFE_TO_CHANGE_ON_RESUME`
+lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal; the summary then says so.
+"""
+
+import fcntl
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from rollout import export_lora, load_lora_state_dict, lora_state_dict
+
+ADAPTERS = ("policy", "old", "sampling")
+RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", ".global_step_*", "summary.json")
+
+# Every Args field not named here defines the run: a resume that changes it is refused, so a new algorithm field is
+# protected without being listed. These may change because the training continues the same trajectory with them:
+SAFE_TO_CHANGE_ON_RESUME = {
+    "num_iterations", "save_every", "keep_last", "max_nonfinite_steps",  # how long it runs and what it keeps
+    "resume_from", "overwrite", "output_dir", "run_name", "exp_name",  # where it is (checked against the checkpoint)
+    # placement, batching into forwards and kernels: the same math up to float rounding
+    "device", "text_encoder_device", "reward_device", "reward_urls", "forward_batch_size",
+    "policy_timesteps_per_forward", "compile", "gradient_checkpointing",
+    # validation cost: it never feeds training (the change is printed: the eval curve changes protocol there)
+    "eval_every", "eval_prompts", "eval_steps",
+}
+# Per-rank sizes define the run through their global value (x world size): a resume at another world size may change
+# them as long as the prompts per iteration and the images per optimizer step stay the same.
+PER_RANK = {"prompts_per_rank": "prompts per iteration", "train_batch_size": "images per optimizer step"}
+
+
+class RunError(Exception):
+    """A one-line error about the run directory, a checkpoint or a resume (the trainers print it and exit)."""
+
+
+def resume_changes(checkpoint_state, args, world_size, algorithm):
+    """(refused, allowed): "name old -> new" for each setting that differs from the checkpoint's."""
+    saved, current = checkpoint_state["args"], json.loads(json.dumps(vars(args)))  # tuples as the JSON's lists
+    saved_world = checkpoint_state.get("world_size", world_size)  # older checkpoints: assume the same world size
+    if checkpoint_state.get("algorithm", algorithm) != algorithm:  # its Args differ too: this says it all
+        return [f"algorithm {checkpoint_state['algorithm']} -> {algorithm}"], []
+    refused, allowed = [], []
+    for name in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(name, "(absent)"), current.get(name, "(absent)")
+        if name in PER_RANK and "(absent)" not in (old, new):
+            old, new = old * saved_world, new * world_size
+            name = f"{PER_RANK[name]} ({name} x ranks)"
+        if old != new and name not in ("resume_from", "overwrite"):
+            (allowed if name in SAFE_TO_CHANGE_ON_RESUME else refused).append(f"{name} {old} -> {new}")
+    return refused, allowed
+
+
+def read_checkpoint_state(checkpoint):
+    """trainer_state.json of a checkpoint directory; checkpoints before `optimizer_steps` called it `global_step`."""
+    path = Path(checkpoint) / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise RunError(f"--resume-from {checkpoint}: not a checkpoint directory ({error})") from None
+    state.setdefault("optimizer_steps", state.pop("global_step", 0))
+    state.setdefault("start_iterations", [1])
+    if not isinstance(state.get("peak_mem_gib"), dict):  # older checkpoints: rank 0's peak alone
+        state["peak_mem_gib"] = {}
+    return state
+
+
+def prepare_run(args, algorithm, world_size, main_process):
+    """Before any model loads: the run directory, checked and (main process) locked, with a resume's settings checked
+    against its checkpoint's. Returns (run directory, lock file to keep open or None)."""
+    run_dir = run_directory(args, f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
+    if args.resume_from:
+        refused, allowed = resume_changes(read_checkpoint_state(args.resume_from), args, world_size, algorithm)
+        if refused:
+            raise RunError(f"--resume-from {args.resume_from}: settings that define the run differ from the "
+                           f"checkpoint's: {'; '.join(refused)} (resume with the checkpoint's values or start a new run)")
+        if allowed and main_process:
+            print(f"resuming with changed settings: {'; '.join(allowed)}", flush=True)
+    lock = claim_run_directory(run_dir, bool(args.resume_from), args.overwrite) if main_process else None
+    return run_dir, lock
+
+
+def run_directory(args, default_name):
+    """The run directory: the resumed checkpoint's parent, or {output_dir}/{run_name or default_name}. On resume, a
+    --run-name or a non-default --output-dir naming another directory is an error, not silently ignored."""
+    if not args.resume_from:
+        return Path(args.output_dir) / (args.run_name or default_name)
+    run_dir = Path(args.resume_from).resolve().parent
+    named = Path(args.output_dir) / args.run_name if args.run_name else None
+    if named is None and args.output_dir != type(args).output_dir:
+        named = Path(args.output_dir) / run_dir.name
+    if named is not None and named.resolve() != run_dir:
+        raise RunError(f"--resume-from {args.resume_from} continues the run in {run_dir}, but --output-dir/--run-name "
+                       f"name {named}: drop them, or name that directory")
+    return run_dir
+
+
+def claim_run_directory(run_dir, resuming, overwrite):
+    """Lock run_dir for this process (the returned open file holds the lock until the process ends), refuse one that
+    already holds a run unless resuming it or overwriting, and remove temporary checkpoints left by a killed run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(run_dir / "run.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise RunError(f"{run_dir} is in use by another live run (pid {lock.read().strip() or '?'})") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    held = sorted(p.name for pattern in RUN_ARTIFACTS[:2] + RUN_ARTIFACTS[3:] for p in run_dir.glob(pattern))
+    if held and not resuming:
+        if not overwrite:
+            latest = checkpoints(run_dir)[-1:]
+            resume = f"--resume-from {latest[0]}" if latest else "--resume-from its latest global_step_N"
+            raise RunError(f"{run_dir} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                           f"continue it with {resume}, replace it with --overwrite, or choose another --run-name")
+        for path in (p for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern)):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for partial in run_dir.glob(".global_step_*"):  # we hold the lock: no live process is writing these
+        shutil.rmtree(partial, ignore_errors=True)
+    return lock
+
+
+class GracefulStop:
+    """SIGTERM and SIGINT set `signal_name`: the trainer finishes the iteration, saves and exits 128 + signal. The same
+    signal again exits at once (a checkpoint being written is removed); a different one (torchrun forwards Ctrl-C to
+    its workers as SIGTERM) only repeats the notice."""
+
+    def __init__(self):
+        self.signum = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle)
+
+    @property
+    def signal_name(self):
+        return signal.Signals(self.signum).name if self.signum else None
+
+    @property
+    def exit_code(self):
+        return 128 + self.signum
+
+    def handle(self, signum, frame):
+        if signum == self.signum:
+            print(f"{signal.Signals(signum).name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+        if self.signum is None:
+            self.signum = signum
+        print(f"{signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint "
+              f"({self.signal_name} again to exit at once)", flush=True)
+
+
+def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
+    """Write global_step_{iteration}/ atomically (a temporary directory renamed at the end), readable as the user's
+    umask allows, and keep the latest keep_last (0: all). Disk full or any OSError: RunError naming the latest complete
+    checkpoint, nothing half-written left."""
+    try:
+        partial = Path(tempfile.mkdtemp(prefix=f".global_step_{iteration}.", dir=run_dir))
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            partial.chmod(0o777 & ~umask)  # mkdtemp makes it 0700: a team on shared storage could not read it
+            export_lora(transformer, "policy", partial / "policy_lora")
+            adapters = {f"{name}.{key}": value.contiguous() for name in ADAPTERS
+                        for key, value in lora_state_dict(transformer, name).items()}
+            save_file(adapters, partial / "adapters.safetensors")
+            torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+            (partial / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        final = run_dir / f"global_step_{iteration}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+    except OSError as error:
+        latest = checkpoints(run_dir)[-1:]
+        raise RunError(f"could not write the checkpoint global_step_{iteration} ({error}); the latest complete "
+                       f"checkpoint is {latest[0] if latest else 'none'}") from None
+    for old in checkpoints(run_dir)[:-keep_last] if keep_last else []:
+        shutil.rmtree(old)
+    return final
+
+
+def checkpoints(run_dir):
+    """The complete checkpoints of a run directory, oldest first."""
+    return sorted(Path(run_dir).glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
+
+
+def load_checkpoint(path, transformer, optimizer, device):
+    adapters = load_file(Path(path) / "adapters.safetensors")
+    for name in ADAPTERS:
+        load_lora_state_dict(transformer, name, {k[len(name) + 1 :]: v for k, v in adapters.items() if k.startswith(name + ".")})
+    optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=device, weights_only=True))
+    return read_checkpoint_state(path)
+
+
+def peak_memory_gib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host peak RSS (KiB on Linux)
+
+
+def actor_peak_memory(device, world_size):
+    """{"actor rank r <device>": peak GiB} of every rank (a collective: every rank calls it)."""
+    peak = torch.tensor([[peak_memory_gib(device), -1 if device.index is None else device.index]], dtype=torch.float64,
+                        device=device)  # (1, 2): GiB, device index
+    peaks = peak.new_empty(world_size, 2)
+    if world_size > 1:
+        dist.all_gather_into_tensor(peaks, peak)
+    else:
+        peaks.copy_(peak)
+    return {f"actor rank {r} {device.type}{'' if i < 0 else f':{i:.0f}'}": p for r, (p, i) in enumerate(peaks.tolist())}
+
+
+def other_gpus_memory(actor_device, roles):
+    """{"<roles> cuda:i": GiB} of the CUDA devices in roles ({role: device name}) that are not the actor's: this
+    process's peak, and what every process (a vLLM reward server too) holds there now."""
+    devices = {}
+    for role, name in roles.items():
+        if name and torch.device(name).type == "cuda" and torch.device(name) != actor_device:
+            devices.setdefault(torch.device(name), []).append(role)
+    memory = {}
+    for device, names in devices.items():
+        memory[f"{' + '.join(names)} {device}"] = peak_memory_gib(device)
+        memory[f"{device} in use by all processes at the end"] = torch.cuda.device_memory_used(device) / 2**30
+    return memory
+
+
+def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by, other_gpus):
+    """summary.json: whether the run completed (else why it stopped), validation rewards, iteration times with the
+    first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory."""
+    history, times = state["eval"], state["iteration_s"]
+    warmups = set(state["start_iterations"])
+    steady = [t for i, t in enumerate(times, 1) if i not in warmups]
+    mean = float(np.mean(steady)) if steady else None
+    best = max(history, key=lambda e: e[1], default=[None, None])
+    summary = {"algorithm": algorithm, "reward": args.reward, "completed": state["iteration"] >= args.num_iterations
+               and stopped_by is None, "stopped_by": stopped_by, "iterations": state["iteration"],
+               "optimizer_steps": state["optimizer_steps"], "world_size": world_size,
+               "initial_eval_reward": history[0][1] if history else None,
+               "final_eval_reward": history[-1][1] if history else None,
+               "best_eval_reward": best[1], "best_eval_iteration": best[0],
+               "warmup_iteration_s": times[0] if times else None,
+               "mean_iteration_s": mean, "mean_iteration_excludes": sorted(warmups & set(range(1, len(times) + 1))),
+               "train_images_per_s": images_per_iteration / mean if mean else None, "peak_mem_gib": {**state["peak_mem_gib"], **other_gpus}}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    return summary
