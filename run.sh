@@ -27,11 +27,17 @@ for run in sys.argv[1:]:
         sys.exit(f"run.sh compare: {path} not found (did the run finish?)")
     runs.append((Path(run).name, json.loads(path.read_text())))
 fmt = lambda v, unit="": "n/a" if v is None else f"{v:.4f}{unit}" if isinstance(v, float) else str(v)
-rows = [("Initial held-out OCR reward", lambda s: fmt(s["initial_eval_reward"])),
-        ("Final held-out OCR reward", lambda s: fmt(s["final_eval_reward"])),
-        ("Best observed held-out OCR reward", lambda s: f"{fmt(s['best_eval_reward'])} (iteration {s['best_eval_iteration']})"),
-        ("Mean training iteration, excluding evaluation", lambda s: f"{s['mean_iteration_s']:.1f} s"),
-        ("Training images per second, excluding evaluation", lambda s: f"{s['train_images_per_s']:.3f}"),
+seconds = lambda v: "n/a" if v is None else f"{v:.1f} s"
+status = lambda s: "n/a" if "completed" not in s else "yes" if s["completed"] else f"no: stopped by {s['stopped_by']}"
+rows = [("Algorithm", lambda s: s.get("algorithm", "n/a")),
+        ("Reward", lambda s: s.get("reward", "n/a")),
+        ("Completed", status),
+        ("Initial held-out reward", lambda s: fmt(s["initial_eval_reward"])),
+        ("Final held-out reward", lambda s: fmt(s["final_eval_reward"])),
+        ("Best observed held-out reward", lambda s: f"{fmt(s['best_eval_reward'])} (iteration {s['best_eval_iteration']})"),
+        ("Mean training iteration, excluding evaluation and warm-up", lambda s: seconds(s["mean_iteration_s"])),
+        ("First iteration (torch.compile warm-up)", lambda s: seconds(s.get("warmup_iteration_s"))),
+        ("Training images per second, excluding evaluation and warm-up", lambda s: fmt(s["train_images_per_s"])),
         ("Memory peak per device", lambda s: ", ".join(f"{k}: {v:.1f} GiB" for k, v in s["peak_mem_gib"].items())),
         ("Iterations / optimizer updates", lambda s: f"{s['iterations']} / {s['optimizer_steps']}")]
 table = [("Metric", *[name for name, _ in runs])] + [(label, *[get(s) for _, s in runs]) for label, get in rows]
