@@ -137,31 +137,24 @@ def claim_run_directory(run_dir, resuming, overwrite):
 
 
 class GracefulStop:
-    """SIGTERM and SIGINT set `signal_name`: the trainer finishes the iteration, saves and exits 128 + signal. The same
-    signal again exits at once (a checkpoint being written is removed); a different one (torchrun forwards Ctrl-C to
-    its workers as SIGTERM) only repeats the notice."""
+    """SIGTERM and SIGINT set `signum`: the trainer finishes the iteration, saves and exits 128 + signal. The same
+    signal again exits at once (a checkpoint being written is removed), except under torchrun: it forwards a signal to
+    its workers as SIGTERM after they may have had it from the shell already, and kills them 30 s later itself."""
 
     def __init__(self):
         self.signum = None
+        self.exit_on_repeat = "TORCHELASTIC_RUN_ID" not in os.environ
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self.handle)
 
-    @property
-    def signal_name(self):
-        return signal.Signals(self.signum).name if self.signum else None
-
-    @property
-    def exit_code(self):
-        return 128 + self.signum
-
     def handle(self, signum, frame):
-        if signum == self.signum:
+        if signum == self.signum and self.exit_on_repeat:
             print(f"{signal.Signals(signum).name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
         if self.signum is None:
             self.signum = signum
-        print(f"{signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint "
-              f"({self.signal_name} again to exit at once)", flush=True)
+        print(f"{signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint"
+              + (f" ({signal.Signals(self.signum).name} again to exit at once)" if self.exit_on_repeat else ""), flush=True)
 
 
 def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
