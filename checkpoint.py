@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rollout import export_lora, load_lora_state_dict, lora_state_dict
@@ -159,8 +160,8 @@ class GracefulStop:
 
 def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
     """Write global_step_{iteration}/ atomically (a temporary directory renamed at the end), readable as the user's
-    umask allows, and keep the latest keep_last (0: all). Disk full or any OSError: RunError naming the latest complete
-    checkpoint, nothing half-written left."""
+    umask allows, and keep the latest keep_last (0: all). A full disk or another write error: RunError naming the latest
+    complete checkpoint, nothing half-written left."""
     try:
         partial = Path(tempfile.mkdtemp(prefix=f".global_step_{iteration}.", dir=run_dir))
         try:
@@ -180,7 +181,7 @@ def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         latest = checkpoints(run_dir)[-1:]
         raise RunError(f"could not write the checkpoint global_step_{iteration} ({error}); the latest complete "
                        f"checkpoint is {latest[0] if latest else 'none'}") from None

@@ -370,6 +370,7 @@ if __name__ == "__main__":
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
+    signals = GracefulStop()
     writer = None
     if main_process:
         writer = SummaryWriter(run_dir, purge_step=state["iteration"] + 1 if state["iteration"] else None)
@@ -378,7 +379,6 @@ if __name__ == "__main__":
               f"images per iteration, {B // args.train_batch_size} optimizer step(s) per rank, T={T}; "
               f"{len(train_set)} train prompts, {len(eval_set)} eval prompts")
         warn_cut_targets(train_set + eval_set, pipe, args.max_sequence_length)
-    signals = GracefulStop()
 
     def evaluate(iteration):
         started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import checkpoint
 import crd
 import dgpo
 import rollout
@@ -76,10 +78,30 @@ def test_smoke_run_writes_logs_checkpoints_and_summary(three_iterations):
     assert not list(run.glob(".global_step_*"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["iterations"] == 3 and summary["optimizer_steps"] == 6  # 2 groups per iteration, a step each
-    assert 0 < summary["initial_eval_reward"] < 1 and summary["best_eval_iteration"] in (0, 1, 2, 3)
-    assert summary["train_images_per_s"] > 0 and summary["peak_mem_gib"]["actor cpu"] > 0
+    assert summary["completed"] is True and summary["stopped_by"] is None
+    assert summary["algorithm"] == Path(script).stem and summary["reward"] == "brightness"
     state = json.loads((run / "global_step_3" / "trainer_state.json").read_text())
     assert state["iteration"] == 3 and state["args"]["num_iterations"] == 3 and state["sampler"]["position"] == 6
+    assert state["optimizer_steps"] == 6 and "global_step" not in state  # global_step_N counts iterations
+
+
+def test_summary_matches_the_tensorboard_scalars(three_iterations):
+    """The summary is what the run logged: the first iteration (torch.compile's warm-up on CUDA) apart from the mean
+    of the others, the validation rewards, and the largest actor peak memory."""
+    script, run = three_iterations
+    summary = json.loads((run / "summary.json").read_text())
+    iteration_s = scalars(run, "perf/iteration_s")
+    assert summary["warmup_iteration_s"] == pytest.approx(iteration_s[1], rel=1e-6)
+    assert summary["mean_iteration_s"] == pytest.approx(np.mean([iteration_s[2], iteration_s[3]]), rel=1e-6)
+    assert summary["mean_iteration_excludes"] == [1]
+    assert summary["train_images_per_s"] == pytest.approx(8 / summary["mean_iteration_s"], rel=1e-6)
+    rewards = scalars(run, "eval/reward_mean")
+    assert summary["initial_eval_reward"] == pytest.approx(rewards[0], rel=1e-6)
+    assert summary["final_eval_reward"] == pytest.approx(rewards[3], rel=1e-6)
+    best = max(rewards, key=rewards.get)
+    assert summary["best_eval_iteration"] == best and summary["best_eval_reward"] == pytest.approx(rewards[best], rel=1e-6)
+    assert list(summary["peak_mem_gib"]) == ["actor rank 0 cpu"]
+    assert summary["peak_mem_gib"]["actor rank 0 cpu"] == pytest.approx(max(scalars(run, "perf/peak_mem_gib").values()), rel=1e-6)
 
 
 def test_logged_decays_follow_each_algorithms_schedule(three_iteration_runs):
@@ -134,27 +156,63 @@ def test_resume_continues_exactly(three_iterations, tiny_model_dir, tmp_path):
     assert state["eval"] == json.loads((straight / "global_step_2" / "trainer_state.json").read_text())["eval"]
 
 
-def test_interrupted_checkpoint_is_never_picked_up(tmp_path, tiny_model_dir, monkeypatch):
-    import crd
+def test_resume_refuses_settings_that_define_the_run(three_iteration_runs, tiny_model_dir, tmp_path):
+    """One line lists every difference, before any model loads; the run directory is left as it was."""
+    run = three_iteration_runs["crd.py"]
+    before = sorted(p.name for p in run.iterdir())
+    changed = train("crd.py", tiny_model_dir, run.parent, "--num-iterations", 4, "--seed", 7, "--lora-alpha", 8,
+                    "--prompts-per-rank", 1, "--resume-from", run / "global_step_3", check=False)
+    (line,) = [line for line in changed.stderr.splitlines() if "error" in line]
+    assert changed.returncode != 0 and "Traceback" not in changed.stderr
+    assert line.startswith(f"crd.py: error: --resume-from {run / 'global_step_3'}: settings that define the run differ")
+    for difference in ("lora_alpha 64 -> 8", "seed 42 -> 7", "prompts per iteration (prompts_per_rank x ranks) 2 -> 1"):
+        assert difference in line
+    assert "num_iterations" not in line  # allowed to change
+    other_algorithm = train("dgpo.py", tiny_model_dir, run.parent, "--resume-from", run / "global_step_3", check=False)
+    assert other_algorithm.returncode != 0 and "settings that define the run differ from the checkpoint's: algorithm crd -> dgpo" in other_algorithm.stderr
+    elsewhere = train("crd.py", tiny_model_dir, tmp_path, "--resume-from", run / "global_step_3", check=False)
+    assert elsewhere.returncode != 0 and f"continues the run in {run}, but --output-dir/--run-name name {tmp_path / 'run'}" in elsewhere.stderr
+    assert sorted(p.name for p in run.iterdir()) == before
 
+
+def test_resume_with_safe_changes_prints_them_and_continues(three_iteration_runs, tiny_model_dir, tmp_path):
+    """Safe changes are printed; the temporary directory of a checkpoint killed mid-write is removed; --keep-last 0
+    keeps every checkpoint; the resumed start's first iteration is left out of the mean iteration time too."""
+    run = tmp_path / "run"
+    shutil.copytree(three_iteration_runs["crd.py"], run)
+    (run / ".global_step_4.k1ll3d").mkdir()  # what `kill -9` during a save leaves
+    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 4, "--eval-every", 0, "--keep-last", 0,
+                   "--forward-batch-size", 16, "--resume-from", run / "global_step_3")
+    assert ("resuming with changed settings: eval_every 1 -> 0; forward_batch_size 48 -> 16; keep_last 2 -> 0; "
+            "num_iterations 3 -> 4") in result.stdout
+    assert sorted(p.name for p in run.glob("*global_step_*")) == ["global_step_2", "global_step_3", "global_step_4"]
+    summary, iteration_s = json.loads((run / "summary.json").read_text()), scalars(run, "perf/iteration_s")
+    assert summary["completed"] and summary["iterations"] == 4 and summary["mean_iteration_excludes"] == [1, 4]
+    assert summary["mean_iteration_s"] == pytest.approx(np.mean([iteration_s[2], iteration_s[3]]), rel=1e-6)
+
+
+def test_interrupted_checkpoint_is_never_picked_up(tmp_path, tiny_model_dir, monkeypatch):
     pipe = rollout.load_pipeline(str(tiny_model_dir))
     rollout.add_lora_adapters(pipe.transformer, 4, 4)
     optimizer = torch.optim.AdamW(rollout.lora_parameters(pipe.transformer))
-    crd.save_checkpoint(tmp_path, 1, pipe.transformer, optimizer, {"iteration": 1}, keep_last=2)
+    checkpoint.save_checkpoint(tmp_path, 1, pipe.transformer, optimizer, {"iteration": 1}, keep_last=2)
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", killed)
     with pytest.raises(KeyboardInterrupt):
-        crd.save_checkpoint(tmp_path, 2, pipe.transformer, optimizer, {"iteration": 2}, keep_last=1)
+        checkpoint.save_checkpoint(tmp_path, 2, pipe.transformer, optimizer, {"iteration": 2}, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]  # intact, nothing half-written left
     result = subprocess.run([sys.executable, "crd.py", "--resume-from", str(tmp_path / "global_step_2")], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode != 0 and "not a checkpoint directory" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_sigterm_finishes_the_iteration_and_saves(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_finishes_the_iteration_saves_and_says_the_run_stopped(signum, exit_code, tmp_path, tiny_model_dir):
+    """While the run lives, a second process naming its directory is refused (the lock); after the signal the run
+    directory holds a run, which only a resume (or --overwrite) may touch."""
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
     cmd = [sys.executable, "crd.py", *TINY_RUN, "--output-dir", str(tmp_path), "--run-name", "run",
            "--num-iterations", "1000", "--eval-every", "0", "--save-every", "1000"]
@@ -162,20 +220,33 @@ def test_sigterm_finishes_the_iteration_and_saves(tmp_path, tiny_model_dir):
     deadline = time.time() + 120
     while not list(tmp_path.glob("run/events.*")) and time.time() < deadline:
         time.sleep(0.2)
-    time.sleep(3)  # a few iterations in
-    process.send_signal(signal.SIGTERM)
+    second = train("crd.py", tiny_model_dir, tmp_path, "--overwrite", check=False)
+    assert second.returncode != 0 and f"{tmp_path / 'run'} is in use by another live run (pid {process.pid})" in second.stderr
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-2000:]
-    checkpoints = list((tmp_path / "run").glob("global_step_*"))
-    assert len(checkpoints) == 1 and 1 <= int(checkpoints[0].name.split("_")[-1]) < 1000
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == int(checkpoints[0].name.split("_")[-1])
-    assert "saving a checkpoint" in stdout
+    assert process.returncode == exit_code and "Traceback" not in stderr, stderr[-2000:]
+    (checkpoint_dir,) = (tmp_path / "run").glob("global_step_*")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["iterations"] == int(checkpoint_dir.name.split("_")[-1]) >= 1
+    assert summary["completed"] is False and summary["stopped_by"] == signal.Signals(signum).name
+    assert f"{signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint" in stdout
+    compare = subprocess.run(["bash", "run.sh", "compare", tmp_path / "run", tmp_path / "run"], cwd=ROOT,
+                             env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, check=True)
+    assert "| Completed " in compare.stdout and f"no: stopped by {signal.Signals(signum).name}" in compare.stdout
+    again = train("crd.py", tiny_model_dir, tmp_path, check=False)
+    assert again.returncode != 0 and "Traceback" not in again.stderr
+    assert "already holds a run" in again.stderr and f"continue it with --resume-from {checkpoint_dir}" in again.stderr
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--train-batch-size", "6"], "--train-batch-size 6 must be a multiple of --group-size 4"),
     (["--group-size", "1"], "centering needs at least 2"),
     (["--resolution", "60"], "not a multiple of 16"),
+    (["--resolution", "0"], "--resolution 0: must be at least 16"),
+    (["--prompts-per-rank", "0"], "--prompts-per-rank 0: must be at least 1"),
+    (["--eval-prompts", "0"], "--eval-prompts 0: validation needs a prompt (--eval-every 0 turns validation off)"),
+    (["--save-every", "0"], "--save-every 0: must be at least 1"),
+    (["--lora-rank", "0"], "--lora-rank 0: must be at least 1"),
     (["--num-train-timesteps", "10"], "--num-train-timesteps 10 must lie in [1, 9]: the trained steps of the 10-step"),
     (["--train-data", "missing/train.jsonl"], "missing/train.jsonl: prompt file not found"),
     (["--model", "/nonexistent/sd35"], "--model /nonexistent/sd35: no such directory"),
@@ -247,10 +318,14 @@ def test_compare_prints_the_anchor_table_side_by_side(three_iteration_runs):
     result = subprocess.run(["bash", "run.sh", "compare", *map(str, three_iteration_runs.values())], cwd=ROOT, env=env,
                             capture_output=True, text=True, check=True)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in result.stdout.splitlines()[2:]}
-    for script, column in zip(SCRIPTS, zip(*rows.values())):
+    for i, script in enumerate(SCRIPTS):
         summary = json.loads((three_iteration_runs[script] / "summary.json").read_text())
-        assert column[0] == f"{summary['initial_eval_reward']:.4f}" and column[1] == f"{summary['final_eval_reward']:.4f}"
-    assert rows["Iterations / optimizer updates"] == ["3 / 6", "3 / 6"]
+        assert rows["Initial held-out reward"][i] == f"{summary['initial_eval_reward']:.4f}"
+        assert rows["Final held-out reward"][i] == f"{summary['final_eval_reward']:.4f}"
+        assert rows["Mean training iteration, excluding evaluation and warm-up"][i] == f"{summary['mean_iteration_s']:.1f} s"
+        assert rows["First iteration (torch.compile warm-up)"][i] == f"{summary['warmup_iteration_s']:.1f} s"
+    assert rows["Algorithm"] == ["crd", "dgpo"] and rows["Reward"] == ["brightness", "brightness"]
+    assert rows["Completed"] == ["yes", "yes"] and rows["Iterations / optimizer updates"] == ["3 / 6", "3 / 6"]
     missing = subprocess.run(["bash", "run.sh", "compare", "runs/none", "runs/none"], cwd=ROOT, env=env,
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "runs/none/summary.json not found" in missing.stderr

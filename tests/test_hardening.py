@@ -1,0 +1,120 @@
+"""Run management (checkpoint.py and the trainers' use of it): full disks, permissions, stale temporary checkpoints,
+old checkpoints, resume rules at another world size, --overwrite, an empty run's summary and the --help text."""
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import checkpoint
+import rollout
+from test_trainers import ROOT, train
+
+
+@pytest.fixture(scope="module")
+def lora_transformer(tiny_model_dir):
+    """The tiny transformer with rank-4 adapters, and an AdamW over its policy adapter."""
+    pipe = rollout.load_pipeline(str(tiny_model_dir))
+    rollout.add_lora_adapters(pipe.transformer, 4, 4)
+    return pipe.transformer, torch.optim.AdamW(rollout.lora_parameters(pipe.transformer))
+
+
+def test_a_full_disk_keeps_the_latest_complete_checkpoint_and_says_which(lora_transformer, tmp_path):
+    """A real write error (the file-size limit makes the kernel refuse the write, as a full disk does): one line,
+    no temporary directory left, the previous checkpoint intact."""
+    transformer, optimizer = lora_transformer
+    checkpoint.save_checkpoint(tmp_path, 1, transformer, optimizer, {"iteration": 1}, keep_last=2)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        with pytest.raises(checkpoint.RunError) as error:
+            checkpoint.save_checkpoint(tmp_path, 2, transformer, optimizer, {"iteration": 2}, keep_last=2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert "could not write the checkpoint global_step_2 (" in str(error.value) and "File too large" in str(error.value)
+    assert str(error.value).endswith(f"the latest complete checkpoint is {tmp_path / 'global_step_1'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]
+    assert json.loads((tmp_path / "global_step_1" / "trainer_state.json").read_text()) == {"iteration": 1}
+
+
+def test_checkpoints_follow_the_umask_and_keep_last_0_keeps_all(lora_transformer, tmp_path):
+    transformer, optimizer = lora_transformer
+    umask = os.umask(0o022)
+    try:
+        for iteration in (1, 2, 3):
+            checkpoint.save_checkpoint(tmp_path, iteration, transformer, optimizer, {"iteration": iteration}, keep_last=0)
+    finally:
+        os.umask(umask)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["global_step_1", "global_step_2", "global_step_3"]
+    assert (tmp_path / "global_step_3").stat().st_mode & 0o777 == 0o755  # readable by the team, as the umask says
+    assert (tmp_path / "global_step_3" / "optimizer.pt").stat().st_mode & 0o777 == 0o644
+    checkpoint.save_checkpoint(tmp_path, 4, transformer, optimizer, {"iteration": 4}, keep_last=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["global_step_3", "global_step_4"]
+
+
+def test_claiming_a_run_directory_removes_stale_temporary_checkpoints(tmp_path):
+    (tmp_path / ".global_step_5.x7rq2m").mkdir()  # what `kill -9` during a save leaves
+    (tmp_path / "global_step_4").mkdir()
+    lock = checkpoint.claim_run_directory(tmp_path, resuming=True, overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_4", "run.lock"]
+    assert (tmp_path / "run.lock").read_text() == str(os.getpid())
+    lock.close()
+
+
+def test_a_checkpoint_from_before_optimizer_steps_still_loads(tmp_path):
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"iteration": 4, "global_step": 16, "peak_mem_gib": 3.5,
+                                                             "args": {}}))
+    state = checkpoint.read_checkpoint_state(tmp_path)
+    assert state["optimizer_steps"] == 16 and "global_step" not in state
+    assert state["start_iterations"] == [1] and state["peak_mem_gib"] == {}
+
+
+def test_resume_compares_per_rank_sizes_by_their_global_value():
+    saved = {"args": {"prompts_per_rank": 1, "train_batch_size": 4, "seed": 1, "device": "cuda"}, "world_size": 2,
+             "algorithm": "crd"}
+    same_math = SimpleNamespace(prompts_per_rank=2, train_batch_size=8, seed=1, device="cuda:1")
+    assert checkpoint.resume_changes(saved, same_math, 1, "crd") == ([], ["device cuda -> cuda:1"])
+    other_math = SimpleNamespace(prompts_per_rank=2, train_batch_size=8, seed=1, device="cuda")
+    refused, _ = checkpoint.resume_changes(saved, other_math, 2, "crd")
+    assert refused == ["prompts per iteration (prompts_per_rank x ranks) 2 -> 4",
+                       "images per optimizer step (train_batch_size x ranks) 8 -> 16"]
+
+
+def test_overwrite_replaces_the_previous_run(tiny_model_dir, tmp_path):
+    train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 0, "--save-every", 1)
+    refused = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 0, check=False)
+    assert refused.returncode != 0 and "already holds a run" in refused.stderr and "Traceback" not in refused.stderr
+    train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 0, "--overwrite")
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint.checkpoints(run)] == ["global_step_1"]
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 1
+
+
+def test_zero_iterations_write_a_valid_summary_with_nulls(tiny_model_dir, tmp_path):
+    train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 0, "--eval-every", 0)
+
+    def reject(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=reject)
+    assert summary["iterations"] == 0 and summary["completed"] is True
+    assert summary["mean_iteration_s"] is None and summary["warmup_iteration_s"] is None
+    assert summary["train_images_per_s"] is None and summary["mean_iteration_excludes"] == []
+
+
+@pytest.mark.parametrize("script", ["crd.py", "dgpo.py"])
+def test_help_shows_one_default_per_flag(script):
+    result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, check=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    flags = re.split(r"\n[│| ]+(?=--[a-z])", result.stdout)
+    for flag in ("--run-name", "--text-encoder-device", "--reward-device", "--keep-last", "--overwrite"):
+        (text,) = [f for f in flags if f.startswith((flag + " ", flag + ","))]
+        assert text.count("(default") == 1, text
+    assert "0: keep all" in next(f for f in flags if f.startswith("--keep-last "))
