@@ -35,8 +35,8 @@ SAFE_TO_CHANGE_ON_RESUME = {
     "num_iterations", "save_every", "keep_last", "max_nonfinite_steps",  # how long it runs and what it keeps
     "resume_from", "overwrite", "output_dir", "run_name", "exp_name",  # where it is (checked against the checkpoint)
     # placement, batching into forwards and kernels: the same math up to float rounding
-    "device", "text_encoder_device", "reward_device", "reward_urls", "forward_batch_size",
-    "policy_timesteps_per_forward", "compile", "gradient_checkpointing",
+    "device", "text_encoder_device", "reward_device", "forward_batch_size", "policy_timesteps_per_forward", "compile",
+    "gradient_checkpointing", "reward_urls", "reward_timeout", "reward_retries",  # the same scorer, reached otherwise
     # validation cost: it never feeds training (the change is printed: the eval curve changes protocol there)
     "eval_every", "eval_prompts", "eval_steps",
 }

@@ -314,7 +314,7 @@ if __name__ == "__main__":
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     check_args(args)
     try:
-        run_dir, run_lock = prepare_run(args, Path(__file__).stem, world_size, rank == 0)
+        run_dir, run_lock = prepare_run(args, Path(__file__).stem, world_size, rank == 0)  # locked until exit
     except RunError as error:
         fail(error)
     device = torch.device(args.device)

@@ -4,10 +4,12 @@
 adapters and logs; every rank holds the same adapters and optimizer state; a resume under torchrun continues exactly.
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,9 +47,9 @@ save_file(tensors, out / f"rank{run['rank']}.safetensors")
 '''
 
 
-def train(tiny_model_dir, out_dir, *extra, nproc=2, script="crd.py", script_args=()):
-    """Run crd.py (or `script`) on the tiny model, under torchrun when nproc > 1; the whole process tree is killed
-    on timeout."""
+def start(tiny_model_dir, out_dir, *extra, nproc=2, script="crd.py", script_args=()):
+    """Start crd.py (or `script`) on the tiny model, under torchrun when nproc > 1, in a session of its own:
+    (process, command)."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env["CRD_CACHE"] = str(tiny_model_dir.parent)
     launcher = [sys.executable]
@@ -57,6 +59,12 @@ def train(tiny_model_dir, out_dir, *extra, nproc=2, script="crd.py", script_args
     cmd = [*launcher, script, *map(str, script_args), *TINY_RUN, "--output-dir", str(out_dir), *map(str, extra)]
     process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
+    return process, cmd
+
+
+def train(tiny_model_dir, out_dir, *extra, nproc=2, script="crd.py", script_args=()):
+    """Run crd.py (or `script`) to its end (see `start`); the whole process tree is killed on timeout."""
+    process, cmd = start(tiny_model_dir, out_dir, *extra, nproc=nproc, script=script, script_args=script_args)
     try:
         stdout, stderr = process.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -163,3 +171,31 @@ def test_resume_at_another_world_size(two_processes, tiny_model_dir, tmp_path):
     gap, change = norm(ours[k] - theirs[k] for k in ours), norm(theirs[k] - before[k] for k in theirs)
     assert gap < 0.05 * change, (gap, change)
     assert scalars(resumed, "train/reward_mean")[2] == pytest.approx(scalars(two_processes, "train/reward_mean")[2], rel=1e-4)
+
+
+def test_summary_holds_the_peak_memory_of_every_rank(two_processes):
+    summary = json.loads((two_processes / "summary.json").read_text())
+    assert summary["world_size"] == 2 and sorted(summary["peak_mem_gib"]) == ["actor rank 0 cpu", "actor rank 1 cpu"]
+    assert all(peak > 0 for peak in summary["peak_mem_gib"].values())
+
+
+def test_sigterm_under_torchrun_stops_every_rank_with_a_checkpoint(tiny_model_dir, tmp_path):
+    """SIGTERM to the whole process group, as a scheduler sends it: the workers get it twice (once from torchrun),
+    finish the iteration, and rank 0 saves and records the stop; no worker prints a traceback (torchrun itself
+    reports the signal it got with its own SignalException)."""
+    process, _ = start(tiny_model_dir, tmp_path, "--run-name", "run", "--num-iterations", 1000, "--save-every", 1000,
+                       "--prompts-per-rank", 1)
+    deadline = time.time() + TIMEOUT
+    while not list(tmp_path.glob("run/events.*")) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        _, stderr = process.communicate(timeout=TIMEOUT)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert 'crd.py", line' not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    (checkpoint,) = (tmp_path / "run").glob("global_step_*")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["completed"] is False and summary["stopped_by"] == "SIGTERM" and summary["world_size"] == 2
+    assert summary["iterations"] == int(checkpoint.name.split("_")[-1]) >= 1
