@@ -226,12 +226,16 @@ def other_gpus_memory(actor_device, roles):
     process's peak, and what every process (a vLLM reward server too) holds there now."""
     devices = {}
     for role, name in roles.items():
-        if name and torch.device(name).type == "cuda" and torch.device(name) != actor_device:
-            devices.setdefault(torch.device(name), []).append(role)
+        device = torch.device(name or "cpu")
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+            if device != actor_device:
+                devices.setdefault(device, []).append(role)
     memory = {}
     for device, names in devices.items():
         memory[f"{' + '.join(names)} {device}"] = peak_memory_gib(device)
-        memory[f"{device} in use by all processes at the end"] = torch.cuda.device_memory_used(device) / 2**30
+        free, total = torch.cuda.mem_get_info(device)
+        memory[f"{device} in use by all processes at the end"] = (total - free) / 2**30
     return memory
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -65,6 +66,29 @@ def test_claiming_a_run_directory_removes_stale_temporary_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_4", "run.lock"]
     assert (tmp_path / "run.lock").read_text() == str(os.getpid())
     lock.close()
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_a_repeated_signal_exits_at_once_except_under_torchrun(torchrun, monkeypatch):
+    """Real signals to this process: the first asks for a stop; the same one again exits 128 + signal, unless torchrun
+    (which forwards its own copy) launched us; another signal never exits."""
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = checkpoint.GracefulStop()
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGINT
+        if torchrun:
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            with pytest.raises(SystemExit) as exit_:
+                os.kill(os.getpid(), signal.SIGINT)
+            assert exit_.value.code == 130
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def test_a_checkpoint_from_before_optimizer_steps_still_loads(tmp_path):
