@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from rollout import export_lora, load_lora_state_dict, lora_state_dict
 
 ADAPTERS = ("policy", "old", "sampling")
-RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", ".global_step_*", "summary.json")
+RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json")  # what makes a directory hold a run
 
 # Every Args field not named here defines the run: a resume that changes it is refused, so a new algorithm field is
 # protected without being listed. These may change because the training continues the same trajectory with them:
@@ -88,7 +88,8 @@ def prepare_run(args, algorithm, world_size, main_process):
         refused, allowed = resume_changes(read_checkpoint_state(args.resume_from), args, world_size, algorithm)
         if refused:
             raise RunError(f"--resume-from {args.resume_from}: settings that define the run differ from the "
-                           f"checkpoint's: {'; '.join(refused)} (resume with the checkpoint's values or start a new run)")
+                           f"checkpoint's: {'; '.join(refused)} (resume with the checkpoint's values or start a new "
+                           "run)")
         if allowed and main_process:
             print(f"resuming with changed settings: {'; '.join(allowed)}", flush=True)
     lock = claim_run_directory(run_dir, bool(args.resume_from), args.overwrite) if main_process else None
@@ -123,15 +124,18 @@ def claim_run_directory(run_dir, resuming, overwrite):
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()
-    held = sorted(p.name for pattern in RUN_ARTIFACTS[:2] + RUN_ARTIFACTS[3:] for p in run_dir.glob(pattern))
+    held = sorted(p.name for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern))
     if held and not resuming:
         if not overwrite:
             latest = checkpoints(run_dir)[-1:]
             resume = f"--resume-from {latest[0]}" if latest else "--resume-from its latest global_step_N"
             raise RunError(f"{run_dir} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
                            f"continue it with {resume}, replace it with --overwrite, or choose another --run-name")
-        for path in (p for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern)):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in (run_dir / name for name in held):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
     for partial in run_dir.glob(".global_step_*"):  # we hold the lock: no live process is writing these
         shutil.rmtree(partial, ignore_errors=True)
     return lock
@@ -149,13 +153,14 @@ class GracefulStop:
             signal.signal(signum, self.handle)
 
     def handle(self, signum, frame):
+        name = signal.Signals(signum).name
         if signum == self.signum and self.exit_on_repeat:
-            print(f"{signal.Signals(signum).name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            print(f"{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
         if self.signum is None:
             self.signum = signum
-        print(f"{signal.Signals(signum).name}: finishing this iteration, then saving a checkpoint"
-              + (f" ({signal.Signals(self.signum).name} again to exit at once)" if self.exit_on_repeat else ""), flush=True)
+        again = f" ({signal.Signals(self.signum).name} again to exit at once)" if self.exit_on_repeat else ""
+        print(f"{name}: finishing this iteration, then saving a checkpoint{again}", flush=True)
 
 
 def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
@@ -240,21 +245,23 @@ def other_gpus_memory(actor_device, roles):
 
 
 def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by, other_gpus):
-    """summary.json: whether the run completed (else why it stopped), validation rewards, iteration times with the
-    first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory."""
+    """summary.json: whether the run did all its iterations (else what stopped it), validation rewards, iteration
+    times with the first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory."""
     history, times = state["eval"], state["iteration_s"]
     warmups = set(state["start_iterations"])
     steady = [t for i, t in enumerate(times, 1) if i not in warmups]
     mean = float(np.mean(steady)) if steady else None
     best = max(history, key=lambda e: e[1], default=[None, None])
-    summary = {"algorithm": algorithm, "reward": args.reward, "completed": state["iteration"] >= args.num_iterations
-               and stopped_by is None, "stopped_by": stopped_by, "iterations": state["iteration"],
+    completed = state["iteration"] >= args.num_iterations
+    summary = {"algorithm": algorithm, "reward": args.reward, "completed": completed,
+               "stopped_by": None if completed else stopped_by, "iterations": state["iteration"],
                "optimizer_steps": state["optimizer_steps"], "world_size": world_size,
                "initial_eval_reward": history[0][1] if history else None,
                "final_eval_reward": history[-1][1] if history else None,
                "best_eval_reward": best[1], "best_eval_iteration": best[0],
                "warmup_iteration_s": times[0] if times else None,
                "mean_iteration_s": mean, "mean_iteration_excludes": sorted(warmups & set(range(1, len(times) + 1))),
-               "train_images_per_s": images_per_iteration / mean if mean else None, "peak_mem_gib": {**state["peak_mem_gib"], **other_gpus}}
+               "train_images_per_s": images_per_iteration / mean if mean else None,
+               "peak_mem_gib": {**state["peak_mem_gib"], **other_gpus}}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     return summary

@@ -368,7 +368,8 @@ if __name__ == "__main__":
     negative = negative_embeddings(pipe, args.max_sequence_length)
 
     # TRY NOT TO MODIFY: run directory, resume, logging
-    state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [], "peak_mem_gib": {}}
+    state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [],
+             "peak_mem_gib": {}}
     if args.resume_from:
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])

@@ -169,9 +169,11 @@ def test_resume_refuses_settings_that_define_the_run(three_iteration_runs, tiny_
         assert difference in line
     assert "num_iterations" not in line  # allowed to change
     other_algorithm = train("dgpo.py", tiny_model_dir, run.parent, "--resume-from", run / "global_step_3", check=False)
-    assert other_algorithm.returncode != 0 and "settings that define the run differ from the checkpoint's: algorithm crd -> dgpo" in other_algorithm.stderr
+    assert other_algorithm.returncode != 0
+    assert "settings that define the run differ from the checkpoint's: algorithm crd -> dgpo" in other_algorithm.stderr
     elsewhere = train("crd.py", tiny_model_dir, tmp_path, "--resume-from", run / "global_step_3", check=False)
-    assert elsewhere.returncode != 0 and f"continues the run in {run}, but --output-dir/--run-name name {tmp_path / 'run'}" in elsewhere.stderr
+    assert elsewhere.returncode != 0
+    assert f"continues the run in {run}, but --output-dir/--run-name name {tmp_path / 'run'}" in elsewhere.stderr
     assert sorted(p.name for p in run.iterdir()) == before
 
 
