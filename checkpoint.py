@@ -92,8 +92,12 @@ def prepare_run(args, algorithm, world_size, main_process):
                            "run)")
         if allowed and main_process:
             print(f"resuming with changed settings: {'; '.join(allowed)}", flush=True)
-    lock = claim_run_directory(run_dir, bool(args.resume_from), args.overwrite) if main_process else None
-    return run_dir, lock
+    if not main_process:
+        return run_dir, None
+    if args.dry_run:  # checked, but neither created nor locked: the real run may start in a while
+        held_run(run_dir, bool(args.resume_from), args.overwrite)
+        return run_dir, None
+    return run_dir, claim_run_directory(run_dir, bool(args.resume_from), args.overwrite)
 
 
 def run_directory(args, default_name):
@@ -124,21 +128,27 @@ def claim_run_directory(run_dir, resuming, overwrite):
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()
-    held = sorted(p.name for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern))
-    if held and not resuming:
-        if not overwrite:
-            latest = checkpoints(run_dir)[-1:]
-            resume = f"--resume-from {latest[0]}" if latest else "--resume-from its latest global_step_N"
-            raise RunError(f"{run_dir} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
-                           f"continue it with {resume}, replace it with --overwrite, or choose another --run-name")
-        for path in (run_dir / name for name in held):
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+    for path in held_run(run_dir, resuming, overwrite):  # --overwrite
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     for partial in run_dir.glob(".global_step_*"):  # we hold the lock: no live process is writing these
         shutil.rmtree(partial, ignore_errors=True)
     return lock
+
+
+def held_run(run_dir, resuming, overwrite):
+    """The files of a run already in run_dir that --overwrite replaces; RunError if it holds one and neither
+    resuming nor overwriting."""
+    held = [] if resuming else sorted(p for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern))
+    if held and not overwrite:
+        names = ", ".join(p.name for p in held[:3]) + (", ..." if len(held) > 3 else "")
+        latest = checkpoints(run_dir)[-1:]
+        resume = f"--resume-from {latest[0]}" if latest else "--resume-from its latest global_step_N"
+        raise RunError(f"{run_dir} already holds a run ({names}): continue it with {resume}, replace it with "
+                       "--overwrite, or choose another --run-name")
+    return held
 
 
 class GracefulStop:

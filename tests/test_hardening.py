@@ -142,3 +142,15 @@ def test_help_shows_one_default_per_flag(script):
         (text,) = [f for f in flags if f.startswith((flag + " ", flag + ","))]
         assert text.count("(default") == 1, text
     assert "0: keep all" in next(f for f in flags if f.startswith("--keep-last "))
+
+
+def test_a_dry_run_checks_the_run_directory_without_creating_it(tiny_model_dir, tmp_path):
+    """run.sh checks a run with --dry-run before it starts a reward server: no directory (nor lock) is left behind,
+    and a directory that already holds a run is refused there already."""
+    fresh = train("crd.py", tiny_model_dir, tmp_path, "--dry-run")
+    assert "dry run: arguments valid" in fresh.stdout and not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    held = train("crd.py", tiny_model_dir, tmp_path, "--dry-run", check=False)
+    assert held.returncode != 0 and "already holds a run (summary.json)" in held.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["summary.json"]
