@@ -262,6 +262,7 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
     steady = [t for i, t in enumerate(times, 1) if i not in warmups]
     mean = float(np.mean(steady)) if steady else None
     best = max(history, key=lambda e: e[1], default=[None, None])
+    judge = lambda entry: entry[2] if len(entry) > 2 else None  # PP-OCR on the same images; None in older checkpoints
     completed = state["iteration"] >= args.num_iterations
     summary = {"algorithm": algorithm, "reward": args.reward, "completed": completed,
                "stopped_by": None if completed else stopped_by, "iterations": state["iteration"],
@@ -269,6 +270,8 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
                "initial_eval_reward": history[0][1] if history else None,
                "final_eval_reward": history[-1][1] if history else None,
                "best_eval_reward": best[1], "best_eval_iteration": best[0],
+               "initial_eval_judge": judge(history[0]) if history else None,
+               "final_eval_judge": judge(history[-1]) if history else None,
                "warmup_iteration_s": times[0] if times else None,
                "mean_iteration_s": mean, "mean_iteration_excludes": sorted(warmups & set(range(1, len(times) + 1))),
                "train_images_per_s": images_per_iteration / mean if mean else None,

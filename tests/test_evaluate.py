@@ -61,6 +61,8 @@ def test_a_checkpoint_and_its_lora_reproduce_the_trainers_validation(trained, ti
         "--output-dir", tmp_path / "lora")
     logged, paddle = scalars(trained, "eval/reward_mean"), scalars(trained, "eval/reward_paddle")
     assert sorted(paddle) == [0, 1, 2]
+    summary = json.loads((trained / "summary.json").read_text())
+    assert summary["initial_eval_judge"] == pytest.approx(paddle[0]) and summary["final_eval_judge"] == pytest.approx(paddle[2])
     for name in ("checkpoint", "lora"):
         evaluated = results(tmp_path / name)
         assert evaluated["num_prompts"] == 4 and [r["index"] for r in evaluated["prompts"]] == [0, 1, 2, 3]

@@ -100,6 +100,7 @@ def test_summary_matches_the_tensorboard_scalars(three_iterations):
     assert summary["final_eval_reward"] == pytest.approx(rewards[3], rel=1e-6)
     best = max(rewards, key=rewards.get)
     assert summary["best_eval_iteration"] == best and summary["best_eval_reward"] == pytest.approx(rewards[best], rel=1e-6)
+    assert summary["initial_eval_judge"] is None and summary["final_eval_judge"] is None  # --eval-judge none
     assert list(summary["peak_mem_gib"]) == ["actor rank 0 cpu"]
     assert summary["peak_mem_gib"]["actor rank 0 cpu"] == pytest.approx(max(scalars(run, "perf/peak_mem_gib").values()), rel=1e-6)
 
