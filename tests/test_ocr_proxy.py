@@ -1,0 +1,89 @@
+"""The OCR proxy benchmark's CPU-checkable parts: the word sets, the renders, and pretraining on a tiny model."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rollout
+from benchmark.ocr_proxy import pretrain
+from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
+from data import load_prompts
+from reward import PaddleScorer
+
+# 4^3 = 64 words: pretraining renders and encodes every training word, so the test's task is small
+SMALL_TASK = Task(alphabet="0123", length=3, resolution=64, font_size=20, test_words=4, validation_words=4)
+
+
+def test_word_sets_are_disjoint_cover_every_word_and_depend_only_on_the_seed():
+    task = Task()
+    words = split_words(task, seed=0)
+    sets = {name: set(ws) for name, ws in words.items()}
+    assert [len(words[k]) for k in ("test", "validation")] == [task.test_words, task.validation_words]
+    assert not sets["train"] & sets["test"] and not sets["train"] & sets["validation"]
+    assert not sets["test"] & sets["validation"]
+    assert sets["train"] | sets["test"] | sets["validation"] == set(all_words(task))
+    assert split_words(task, seed=0) == words
+    assert split_words(task, seed=1)["test"] != words["test"]
+    with pytest.raises(ValueError, match="too few"):
+        split_words(Task(alphabet="01", length=3), seed=0)
+
+
+def test_prompt_file_round_trips_through_the_trainers_loader(tmp_path):
+    words = split_words(SMALL_TASK, seed=0)["test"]
+    records, skipped = load_prompts(write_prompts(tmp_path / "test.jsonl", words))
+    assert skipped == 0 and [r["target"] for r in records] == words
+    assert [r["prompt"] for r in records] == [prompt(w) for w in words]
+
+
+def test_pp_ocr_reads_the_benchmark_renders_exactly():
+    task = Task()
+    scorer = PaddleScorer()
+    words = split_words(task, seed=0)["test"][:3]
+    images = np.stack([np.asarray(render(w, task)) for w in words])
+    assert images.shape == (3, task.resolution, task.resolution, 3)
+    scores, texts = scorer(images, words)
+    assert scores.tolist() == [1.0, 1.0, 1.0], texts
+    blank = np.full_like(images[:1], 255)
+    assert scorer(blank, words[:1])[0].tolist() == [0.0]
+
+
+def test_encode_ids_is_the_pipelines_prompt_encoding(tiny_pipe):
+    prompts = [prompt("0123"), prompt("9"), ""]
+    components = tiny_pipe.components
+    embeds, pooled = pretrain.encode_ids(components, *pretrain.tokenize(components, prompts, 32))
+    expected_embeds, expected_pooled = rollout.encode_prompts(tiny_pipe, prompts, 32)
+    torch.testing.assert_close(embeds, expected_embeds)
+    torch.testing.assert_close(pooled, expected_pooled)
+
+
+def _tiny_args(out, seed=0):
+    return pretrain.Args(out=str(out), seed=seed, device="cpu", task=SMALL_TASK, model="tiny",
+                         vae_steps=3, vae_batch_size=4, steps=4, batch_size=4, eval_every=2, eval_words=2,
+                         target=2.0, ocr_workers=0)  # target 2: never reached, so both validations run
+
+
+def test_pretraining_saves_a_pipeline_the_trainers_load_deterministically_and_reuses_it(tmp_path):
+    out = pretrain.pretrain(_tiny_args(tmp_path / "a"))
+    metadata = json.loads((out / "proxy.json").read_text())
+    assert [e["step"] for e in metadata["history"]] == [2, 4] and metadata["stopped_by"] == "steps"
+    assert metadata["words"] == {"test": 4, "validation": 4, "train": 56}
+    assert set(metadata["test_base"]) == {"words", "cfg4.5_40steps", "cfg1_10steps"}
+    weights = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+    pipe = rollout.load_pipeline(str(out))
+    assert pipe.vae.config.scaling_factor != 1.5305  # measured on the renders, not _build_components' SD3 value
+    embeds, pooled = rollout.encode_prompts(pipe, [prompt("012")], 32)
+    images = rollout.sample(pipe, embeds, pooled, [0], num_steps=2, height=64, width=64)["images"]
+    assert images.shape == (1, 64, 64, 3) and images.dtype == np.uint8
+
+    again = pretrain.pretrain(_tiny_args(tmp_path / "b"))
+    assert load_file(again / "transformer" / "diffusion_pytorch_model.safetensors").keys() == weights.keys()
+    for key, value in load_file(again / "transformer" / "diffusion_pytorch_model.safetensors").items():
+        torch.testing.assert_close(value, weights[key], rtol=0, atol=0)
+
+    stamp = (out / "proxy.json").stat().st_mtime_ns
+    assert pretrain.pretrain(_tiny_args(out)) == out and (out / "proxy.json").stat().st_mtime_ns == stamp
