@@ -1,0 +1,193 @@
+"""The OCR proxy benchmark in one command: pretrain (or reuse) the base model, then crd.py and dgpo.py on it with the
+PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables and validation grids.
+
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy --seeds 0 1 --iterations 60
+
+With two or more GPUs, CRD runs on GPU 0 and DGPO on GPU 1 (all seeds of one algorithm side by side on its GPU);
+with one GPU, every run shares it. Both algorithms get the same prompts, seeds, iterations, images per iteration
+and optimizer steps: only the trainer script differs. Outputs in --out:
+    data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
+    runs/{crd,dgpo}_seed{S}/     the trainers' run directories (TensorBoard events, summary.json)
+    curves.png                   held-out PP-OCR (CFG 4.5, 40 steps) and rollout reward against iteration
+    compare_seed{S}.md           `bash run.sh compare` of the two algorithms' runs
+    grid_{algo}_seed{S}_{first,last}.png   the validation grids at the first and last validation
+    benchmark.json               base scores, per-run results and the wall time of each phase
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmark.ocr_proxy import pretrain  # noqa: E402
+from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
+
+ALGORITHMS = ("crd", "dgpo")
+
+
+@dataclass
+class Args:
+    """Pretrain the OCR proxy base model, then train it with CRD and DGPO on the PP-OCR reward."""
+
+    out: str = "runs/ocr_proxy"
+    """output directory"""
+    pretrain: pretrain.Args = field(default_factory=lambda: pretrain.Args(out="~/.cache/crd/ocr-proxy"))
+    """pretraining (its --pretrain.out is the model cache: reused when its configuration matches)"""
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """RL seeds; each seed runs both algorithms"""
+    iterations: int = 60
+    """RL iterations of every run"""
+    eval_every: int = 10
+    """held-out validation every N iterations (and before training)"""
+    eval_prompts: int = 64
+    """held-out test words validated"""
+    time_limit_s: float = 0.0
+    """if > 0: the whole benchmark's wall-time budget; runs still training then get SIGTERM (each finishes its
+    iteration and writes its summary) and the iterations reached are reported"""
+    trainer_args: str = ""
+    """extra arguments for both trainers, e.g. --trainer-args '--learning-rate 1e-4'"""
+
+
+def gpu_count() -> int:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+    return sum(line.startswith("GPU") for line in out.splitlines())
+
+
+def launch(algo: str, seed: int, gpu: int, cores: list[int], model: Path, data: Path, runs: Path, max_sequence_length: int,
+           args: Args) -> subprocess.Popen:
+    command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), "--reward", "paddle",
+               "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / "test.jsonl"),
+               "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
+               "--num-iterations", str(args.iterations), "--eval-every", str(args.eval_every),
+               "--eval-prompts", str(args.eval_prompts), "--save-every", str(args.iterations), "--seed", str(seed),
+               "--output-dir", str(runs), "--run-name", f"{algo}_seed{seed}", "--device", "cuda",
+               "--no-compile",  # a 16M-parameter model: compiling would take longer than it saves
+               *shlex.split(args.trainer_args)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    log = open(runs / f"{algo}_seed{seed}.log", "w")
+    print("+ " + " ".join(command), flush=True)
+    # Each run on its own cores: the PP-OCR engines use every core they see, and side by side they would thrash
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cores))
+
+
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+
+
+def save_grids(run_dir: Path, out: Path, name: str) -> list[str]:
+    """The first and last validation grids of a run, as the trainer logged them (PNG)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"images": 0}).Reload()
+    grids = events.Images("eval/images") if "eval/images" in events.Tags()["images"] else []
+    written = []
+    for label, event in (("first", grids[0]), ("last", grids[-1])) if grids else ():
+        path = out / f"grid_{name}_{label}_iteration{event.step}.png"
+        path.write_bytes(event.encoded_image_string)
+        written.append(path.name)
+    return written
+
+
+def plot_curves(curves: dict, path: Path, title: str) -> None:
+    """Held-out PP-OCR and rollout reward against iteration: each seed thin, the mean over seeds thick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, tag, label in ((axes[0], "eval/reward_mean", "held-out PP-OCR (CFG 4.5, 40 steps)"),
+                           (axes[1], "train/reward_mean", "rollout PP-OCR (training words, CFG 1, 10 steps)")):
+        for algo, color in zip(ALGORITHMS, ("tab:blue", "tab:orange")):
+            runs = [dict(c[tag]) for c in curves[algo].values() if c[tag]]
+            for run in runs:
+                ax.plot(list(run), list(run.values()), color=color, alpha=0.3, linewidth=0.8)
+            steps = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
+            if steps:
+                mean = [sum(r[s] for r in runs) / len(runs) for s in steps]
+                ax.plot(steps, mean, color=color, linewidth=2, label=f"{algo.upper()} (mean of {len(runs)} seeds)")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args: Args) -> dict:
+    out = Path(args.out).resolve()
+    runs, data = out / "runs", out / "data"
+    runs.mkdir(parents=True, exist_ok=True)
+    report = {"args": asdict(args), "phases_s": {}}
+
+    started = benchmark_started = time.perf_counter()
+    model = pretrain.pretrain(args.pretrain)  # before this process touches CUDA: it forks the PP-OCR pool
+    report["phases_s"]["pretrain"] = time.perf_counter() - started
+    proxy = json.loads((model / "proxy.json").read_text())
+    report["base"] = {k: proxy[k] for k in ("chosen", "test_base", "stopped_by", "times", "parameters", "vae_mse")}
+    words = split_words(args.pretrain.task, args.pretrain.seed)
+    write_prompts(data / "train.jsonl", words["train"])
+    write_prompts(data / "test.jsonl", words["test"])
+
+    started = time.perf_counter()
+    gpus = gpu_count()
+    jobs = [(algo, seed) for seed in args.seeds for algo in ALGORITHMS]
+    cores = sorted(os.sched_getaffinity(0))
+    per_job = max(1, len(cores) // len(jobs))
+    processes = {job: launch(*job, i % len(ALGORITHMS) % max(gpus, 1), cores[i * per_job : (i + 1) * per_job] or cores,
+                             model, data, runs, args.pretrain.max_sequence_length, args)
+                 for i, job in enumerate(jobs)}
+    stopped = False
+    while any(p.poll() is None for p in processes.values()):
+        if args.time_limit_s and not stopped and time.perf_counter() - benchmark_started > args.time_limit_s:
+            for p in processes.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            stopped = True
+            print(f"run_benchmark: time limit of {args.time_limit_s:.0f} s: asked every run to stop", flush=True)
+        time.sleep(2)
+    report["phases_s"]["rl"] = time.perf_counter() - started
+    report["return_codes"] = {f"{a}_seed{s}": p.returncode for (a, s), p in processes.items()}
+
+    started = time.perf_counter()
+    curves, report["runs"], report["grids"] = {a: {} for a in ALGORITHMS}, {}, []
+    for algo, seed in jobs:
+        run_dir = runs / f"{algo}_seed{seed}"
+        curves[algo][seed] = {tag: scalars(run_dir, tag) for tag in ("eval/reward_mean", "train/reward_mean")}
+        summary = run_dir / "summary.json"
+        report["runs"][f"{algo}_seed{seed}"] = {**(json.loads(summary.read_text()) if summary.is_file() else {}),
+                                                "eval": curves[algo][seed]["eval/reward_mean"]}
+        report["grids"] += save_grids(run_dir, out, f"{algo}_seed{seed}")
+    for seed in args.seeds:
+        table = subprocess.run(["bash", str(ROOT / "run.sh"), "compare", str(runs / f"crd_seed{seed}"),
+                                str(runs / f"dgpo_seed{seed}")], capture_output=True, text=True, check=False)
+        (out / f"compare_seed{seed}.md").write_text(table.stdout + table.stderr)
+    plot_curves(curves, out / "curves.png", f"OCR proxy: {len(args.seeds)} seed(s), {args.iterations} iterations, "
+                f"4 prompts x 6 images, PP-OCR reward; base validation {proxy['chosen']['cfg4.5_40steps']:.2f}")
+    report["phases_s"]["report"] = time.perf_counter() - started
+    (out / "benchmark.json").write_text(json.dumps(report, indent=1))
+    for name, run in report["runs"].items():
+        print(f"{name}: held-out PP-OCR {run.get('initial_eval_reward')} -> {run.get('final_eval_reward')} "
+              f"(best {run.get('best_eval_reward')} at {run.get('best_eval_iteration')}), {run.get('iterations')} iterations")
+    print(f"run_benchmark: phases {report['phases_s']}; outputs in {out}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
