@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 
 import rollout
 from benchmark.ocr_proxy import pretrain
+from benchmark.ocr_proxy.ocr_pool import OcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
-from reward import PaddleScorer
+from reward import PaddleScorer, make_scorer
 
 # 4^3 = 64 words: pretraining renders and encodes every training word, so the test's task is small
 SMALL_TASK = Task(alphabet="0123", length=3, resolution=64, font_size=20, test_words=4, validation_words=4)
@@ -87,3 +88,19 @@ def test_pretraining_saves_a_pipeline_the_trainers_load_deterministically_and_re
 
     stamp = (out / "proxy.json").stat().st_mtime_ns
     assert pretrain.pretrain(_tiny_args(out)) == out and (out / "proxy.json").stat().st_mtime_ns == stamp
+
+
+def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
+    task = Task()
+    words = split_words(task, seed=0)["test"][:2]
+    images = np.stack([np.asarray(render(w, task)) for w in words] + [np.full((128, 128, 3), 255, np.uint8)])
+    targets = words + [words[0]]
+    expected = PaddleScorer()(images, targets)
+    pool = OcrPool(2)
+    try:
+        assert pool.score(images, targets)[0].tolist() == expected[0].tolist() == [1.0, 1.0, 0.0]
+        with serve(pool) as url:
+            scores, texts = make_scorer("vllm", urls=[url], model_path="pp-ocr", batch_size=3)(images, targets)
+    finally:
+        pool.close()
+    assert scores.tolist() == expected[0].tolist() and texts == expected[1]

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmark.ocr_proxy import pretrain  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo")
@@ -55,6 +57,11 @@ class Args:
     time_limit_s: float = 0.0
     """if > 0: the whole benchmark's wall-time budget; runs still training then get SIGTERM (each finishes its
     iteration and writes its summary) and the iterations reached are reported"""
+    scorer: str = "pool"
+    """pool: the trainers' `--reward vllm` client reads PP-OCR from a local server backed by a pool of engines (the
+    same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
+    ocr_workers: int = 0
+    """PP-OCR engines of the pool (0: one per core, less one per trainer)"""
     trainer_args: str = ""
     """extra arguments for both trainers, e.g. --trainer-args '--learning-rate 1e-4'"""
 
@@ -65,8 +72,8 @@ def gpu_count() -> int:
 
 
 def launch(algo: str, seed: int, gpu: int, cores: list[int], model: Path, data: Path, runs: Path, max_sequence_length: int,
-           args: Args) -> subprocess.Popen:
-    command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), "--reward", "paddle",
+           reward: list[str], args: Args) -> subprocess.Popen:
+    command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), *reward,
                "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / "test.jsonl"),
                "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
                "--num-iterations", str(args.iterations), "--eval-every", str(args.eval_every),
@@ -77,9 +84,40 @@ def launch(algo: str, seed: int, gpu: int, cores: list[int], model: Path, data: 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     log = open(runs / f"{algo}_seed{seed}.log", "w")
     print("+ " + " ".join(command), flush=True)
-    # Each run on its own cores: the PP-OCR engines use every core they see, and side by side they would thrash
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: os.sched_setaffinity(0, cores))
+
+
+def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
+                 resolution: int) -> dict:
+    """Held-out PP-OCR at both protocols (CFG 4.5 / 40 steps, CFG 1 / 10 steps) of the base model and of each run's
+    last checkpoint, with the adapter the trainers validate and roll out with ("sampling")."""
+    import torch
+    from safetensors.torch import load_file
+
+    import rollout
+
+    pipe = rollout.load_pipeline(str(model), "cuda", torch.bfloat16)
+    rollout.add_lora_adapters(pipe.transformer)  # the trainers' default rank and alpha
+    autocast = torch.autocast("cuda", torch.bfloat16)
+
+    def embed(prompts):
+        return rollout.encode_prompts(pipe, prompts, max_sequence_length)
+
+    def both(adapter):
+        with rollout.use_adapter(pipe.transformer, adapter):
+            return {f"cfg{g}_{n}steps": pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
+                    for g, n in ((4.5, 40), (1, 10))}
+
+    scores = {"base": both(None)}
+    for name, run_dir in runs.items():
+        checkpoints = sorted(run_dir.glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
+        if checkpoints:
+            adapters = load_file(checkpoints[-1] / "adapters.safetensors")
+            rollout.load_lora_state_dict(pipe.transformer, "sampling", {
+                k.removeprefix("sampling."): v for k, v in adapters.items() if k.startswith("sampling.")})
+            scores[name] = {"checkpoint": checkpoints[-1].name, **both("sampling")}
+    return scores
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -137,7 +175,10 @@ def main(args: Args) -> dict:
     report = {"args": asdict(args), "phases_s": {}}
 
     started = benchmark_started = time.perf_counter()
-    model = pretrain.pretrain(args.pretrain)  # before this process touches CUDA: it forks the PP-OCR pool
+    jobs = [(algo, seed) for seed in args.seeds for algo in ALGORITHMS]
+    cores = sorted(os.sched_getaffinity(0))
+    pool = OcrPool(args.ocr_workers or max(1, len(cores) - len(jobs))) if args.scorer == "pool" else None
+    model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
     report["phases_s"]["pretrain"] = time.perf_counter() - started
     proxy = json.loads((model / "proxy.json").read_text())
     report["base"] = {k: proxy[k] for k in ("chosen", "test_base", "stopped_by", "times", "parameters", "vae_mse")}
@@ -147,22 +188,33 @@ def main(args: Args) -> dict:
 
     started = time.perf_counter()
     gpus = gpu_count()
-    jobs = [(algo, seed) for seed in args.seeds for algo in ALGORITHMS]
-    cores = sorted(os.sched_getaffinity(0))
-    per_job = max(1, len(cores) // len(jobs))
-    processes = {job: launch(*job, i % len(ALGORITHMS) % max(gpus, 1), cores[i * per_job : (i + 1) * per_job] or cores,
-                             model, data, runs, args.pretrain.max_sequence_length, args)
-                 for i, job in enumerate(jobs)}
-    stopped = False
-    while any(p.poll() is None for p in processes.values()):
-        if args.time_limit_s and not stopped and time.perf_counter() - benchmark_started > args.time_limit_s:
-            for p in processes.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            stopped = True
-            print(f"run_benchmark: time limit of {args.time_limit_s:.0f} s: asked every run to stop", flush=True)
-        time.sleep(2)
+    with serve(pool) if pool else nullcontext() as url:
+        if pool:
+            reward, per_job = ["--reward", "vllm", "--reward-urls", url, "--reward-model", "pp-ocr"], len(cores)
+        else:  # each run on its own cores: each engine uses every core it sees, and side by side they would thrash
+            reward, per_job = ["--reward", "paddle"], max(1, len(cores) // len(jobs))
+        processes = {job: launch(*job, i % len(ALGORITHMS) % max(gpus, 1),
+                                 cores[i * per_job % len(cores) :][:per_job], model, data, runs,
+                                 args.pretrain.max_sequence_length, reward, args)
+                     for i, job in enumerate(jobs)}
+        stopped = False
+        while any(p.poll() is None for p in processes.values()):
+            if args.time_limit_s and not stopped and time.perf_counter() - benchmark_started > args.time_limit_s:
+                for p in processes.values():
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+                stopped = True
+                print(f"run_benchmark: time limit of {args.time_limit_s:.0f} s: asked every run to stop", flush=True)
+            time.sleep(2)
     report["phases_s"]["rl"] = time.perf_counter() - started
+    if pool:
+        started = time.perf_counter()
+        report["final_scores"] = final_scores(model, {f"{a}_seed{s}": runs / f"{a}_seed{s}" for a, s in jobs},
+                                              words["test"][: args.eval_prompts], pool,
+                                              args.pretrain.max_sequence_length, args.pretrain.task.resolution)
+        report["phases_s"]["final_scores"] = time.perf_counter() - started
+        pool.close()
+        print(f"run_benchmark: held-out PP-OCR of the base and each run's last checkpoint: {report['final_scores']}")
     report["return_codes"] = {f"{a}_seed{s}": p.returncode for (a, s), p in processes.items()}
 
     started = time.perf_counter()
