@@ -97,9 +97,10 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
 
     import rollout
 
-    pipe = rollout.load_pipeline(str(model), "cuda", torch.bfloat16)
+    cuda = torch.cuda.is_available()
+    pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     rollout.add_lora_adapters(pipe.transformer)  # the trainers' default rank and alpha
-    autocast = torch.autocast("cuda", torch.bfloat16)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
 
     def embed(prompts):
         return rollout.encode_prompts(pipe, prompts, max_sequence_length)
