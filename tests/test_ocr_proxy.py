@@ -62,8 +62,9 @@ def test_encode_ids_is_the_pipelines_prompt_encoding(tiny_pipe):
 
 def _tiny_args(out, seed=0):
     return pretrain.Args(out=str(out), seed=seed, device="cpu", task=SMALL_TASK, model="tiny",
-                         vae_steps=3, vae_batch_size=4, steps=4, batch_size=4, eval_every=2, eval_words=2,
-                         target=2.0, ocr_workers=0)  # target 2: never reached, so both validations run
+                         vae_steps=2, vae_batch_size=4, steps=4, batch_size=4, eval_every=2, eval_words=2,
+                         validation_steps=2, rollout_steps=1, target=2.0,  # 2: never reached, both validations run
+                         ocr_workers=0)
 
 
 def test_pretraining_saves_a_pipeline_the_trainers_load_deterministically_and_reuses_it(tmp_path):

@@ -98,6 +98,10 @@ class Args:
     """validation words sampled at each validation"""
     target: float = 0.4
     """stop at the first validation PP-OCR score (CFG 4.5, 40 steps) at or above this"""
+    validation_steps: int = 40
+    """ODE steps of the CFG-4.5 validation (the trainers' --eval-steps)"""
+    rollout_steps: int = 10
+    """ODE steps of the CFG-1 validation (the trainers' --num-steps)"""
     time_cap_s: float = 300.0
     """stop transformer training after this many seconds whatever the score (then the result depends on speed)"""
     ocr_workers: int = 14
@@ -195,8 +199,9 @@ def evaluate_saved(out: Path, words: list[str], args: Args, pool: OcrPool) -> di
     def embed(prompts):
         return rollout.encode_prompts(pipe, prompts, args.max_sequence_length)
 
-    guided, _ = sample_and_score(pipe, embed, words, 40, 4.5, args.task.resolution, pool, autocast)
-    rollout_score, _ = sample_and_score(pipe, embed, words, 10, 1.0, args.task.resolution, pool, autocast)
+    guided, _ = sample_and_score(pipe, embed, words, args.validation_steps, 4.5, args.task.resolution, pool, autocast)
+    rollout_score, _ = sample_and_score(pipe, embed, words, args.rollout_steps, 1.0, args.task.resolution, pool,
+                                        autocast)
     return {"words": len(words), "cfg4.5_40steps": guided, "cfg1_10steps": rollout_score}
 
 
@@ -269,8 +274,9 @@ def pretrain(args: Args) -> Path:
         for module in (transformer, *encoders):
             module.eval()
         val = words["validation"][: args.eval_words]
-        guided, _ = sample_and_score(pipe, embed, val, 40, 4.5, args.task.resolution, pool, autocast)
-        rollout_score, _ = sample_and_score(pipe, embed, val, 10, 1.0, args.task.resolution, pool, autocast)
+        guided, _ = sample_and_score(pipe, embed, val, args.validation_steps, 4.5, args.task.resolution, pool, autocast)
+        rollout_score, _ = sample_and_score(pipe, embed, val, args.rollout_steps, 1.0, args.task.resolution, pool,
+                                            autocast)
         for module in (transformer, *encoders):
             module.train()
         entry = {"step": step, "cfg4.5_40steps": guided, "cfg1_10steps": rollout_score, "train_s": train_s}

@@ -63,7 +63,7 @@ class Args:
     ocr_workers: int = 0
     """PP-OCR engines of the pool (0: one per core, less one per trainer)"""
     trainer_args: str = ""
-    """extra arguments for both trainers, e.g. --trainer-args '--learning-rate 1e-4'"""
+    """extra arguments for both trainers, e.g. '--trainer-args=--learning-rate 1e-4' (with '=')"""
 
 
 def gpu_count() -> int:
