@@ -39,7 +39,7 @@ import rollout  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, prompt, render, split_words  # noqa: E402
 
-# 15.8M parameters, 32 MB in bf16: small enough to carry between machines. No dual attention (SD3.5-M's extra
+# 15.5M parameters, 31 MB in bf16: small enough to carry between machines. No dual attention (SD3.5-M's extra
 # attention of the first blocks): the task needs none. clip_l + clip_g hidden sizes = the T5 width (SD3 pads CLIP to it).
 PROXY_CONFIG = dict(
     transformer=dict(sample_size=16, num_layers=5, attention_head_dim=64, num_attention_heads=4,
@@ -69,7 +69,7 @@ class Args:
     task: Task = field(default_factory=Task)
     """what is rendered"""
     model: str = "proxy"
-    """model size: proxy (15.8M parameters) or tiny (rollout.py's, for CPU tests)"""
+    """model size: proxy (15.5M parameters) or tiny (rollout.py's, for CPU tests)"""
     max_sequence_length: int = 32
     """T5 tokens; the trainers must run with the same --max-sequence-length"""
     vae_steps: int = 1500
