@@ -4,14 +4,17 @@ PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables
     python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy --seeds 0 1 --iterations 60
 
 With two or more GPUs, CRD runs on GPU 0 and DGPO on GPU 1 (all seeds of one algorithm side by side on its GPU);
-with one GPU, every run shares it. Both algorithms get the same prompts, seeds, iterations, images per iteration
+with one GPU, every run shares it. The reward is PP-OCR: by default the driver serves reward.PaddleScorer's reads from
+a pool of single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the
+in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead. Both algorithms get the same prompts, seeds, iterations, images per iteration
 and optimizer steps: only the trainer script differs. Outputs in --out:
     data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
     runs/{crd,dgpo}_seed{S}/     the trainers' run directories (TensorBoard events, summary.json)
     curves.png                   held-out PP-OCR (CFG 4.5, 40 steps) and rollout reward against iteration
     compare_seed{S}.md           `bash run.sh compare` of the two algorithms' runs
     grid_{algo}_seed{S}_{first,last}.png   the validation grids at the first and last validation
-    benchmark.json               base scores, per-run results and the wall time of each phase
+    benchmark.json               base scores, per-run results, the base's and each run's last checkpoint's held-out
+                                 PP-OCR at both protocols (pool scorer), and the wall time of each phase
 """
 
 from __future__ import annotations
