@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ class Args:
     """training device"""
     task: Task = field(default_factory=Task)
     """what is rendered"""
-    model: str = "proxy"
+    model: Literal["proxy", "tiny"] = "proxy"
     """model size: proxy (15.5M parameters) or tiny (rollout.py's, for CPU tests)"""
     max_sequence_length: int = 32
     """T5 tokens; the trainers must run with the same --max-sequence-length"""

@@ -29,11 +29,16 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
+import torch
 import tyro
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import rollout  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
@@ -60,7 +65,7 @@ class Args:
     time_limit_s: float = 0.0
     """if > 0: the whole benchmark's wall-time budget; runs still training then get SIGTERM (each finishes its
     iteration and writes its summary) and the iterations reached are reported"""
-    scorer: str = "pool"
+    scorer: Literal["pool", "paddle"] = "pool"
     """pool: the trainers' `--reward vllm` client reads PP-OCR from a local server backed by a pool of engines (the
     same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
     ocr_workers: int = 0
@@ -82,24 +87,19 @@ def launch(algo: str, seed: int, gpu: int, cores: list[int], model: Path, data: 
                "--num-iterations", str(args.iterations), "--eval-every", str(args.eval_every),
                "--eval-prompts", str(args.eval_prompts), "--save-every", str(args.iterations), "--seed", str(seed),
                "--output-dir", str(runs), "--run-name", f"{algo}_seed{seed}", "--device", "cuda",
-               "--no-compile",  # a 16M-parameter model: compiling would take longer than it saves
+               "--no-compile",  # a 15.5M-parameter model: compiling would take longer than it saves
                *shlex.split(args.trainer_args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-    log = open(runs / f"{algo}_seed{seed}.log", "w")
     print("+ " + " ".join(command), flush=True)
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    with open(runs / f"{algo}_seed{seed}.log", "w") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
                  resolution: int) -> dict:
     """Held-out PP-OCR at both protocols (CFG 4.5 / 40 steps, CFG 1 / 10 steps) of the base model and of each run's
     last checkpoint, with the adapter the trainers validate and roll out with ("sampling")."""
-    import torch
-    from safetensors.torch import load_file
-
-    import rollout
-
     cuda = torch.cuda.is_available()
     pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     rollout.add_lora_adapters(pipe.transformer)  # the trainers' default rank and alpha
@@ -125,16 +125,12 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
     return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
 def save_grids(run_dir: Path, out: Path, name: str) -> list[str]:
     """The first and last validation grids of a run, as the trainer logged them (PNG)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0}).Reload()
     grids = events.Images("eval/images") if "eval/images" in events.Tags()["images"] else []
     written = []
