@@ -6,8 +6,9 @@ PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables
 With two or more GPUs, CRD runs on GPU 0 and DGPO on GPU 1 (all seeds of one algorithm side by side on its GPU);
 with one GPU, every run shares it. The reward is PP-OCR: by default the driver serves reward.PaddleScorer's reads from
 a pool of single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the
-in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead. Both algorithms get the same prompts, seeds, iterations, images per iteration
-and optimizer steps: only the trainer script differs. Outputs in --out:
+in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead.
+Both algorithms get the same prompts, seeds, iterations, images per iteration and optimizer steps: only the trainer
+script differs. Outputs in --out:
     data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
     runs/{crd,dgpo}_seed{S}/     the trainers' run directories (TensorBoard events, summary.json)
     curves.png                   held-out PP-OCR (CFG 4.5, 40 steps) and rollout reward against iteration
