@@ -191,7 +191,9 @@ def main(args: Args) -> dict:
     gpus = gpu_count()
     with serve(pool) if pool else nullcontext() as url:
         if pool:
-            reward, per_job = ["--reward", "vllm", "--reward-urls", url, "--reward-model", "pp-ocr"], len(cores)
+            # the reward is already PP-OCR: no second, in-process PP-OCR judge of the validation images
+            reward = ["--reward", "vllm", "--reward-urls", url, "--reward-model", "pp-ocr", "--eval-judge", "none"]
+            per_job = len(cores)
         else:  # each run on its own cores: each engine uses every core it sees, and side by side they would thrash
             reward, per_job = ["--reward", "paddle"], max(1, len(cores) // len(jobs))
         processes = {job: launch(*job, i % len(ALGORITHMS) % max(gpus, 1),
