@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import rollout
 from benchmark.ocr_proxy import pretrain
-from benchmark.ocr_proxy.ocr_pool import OcrPool, serve
+from benchmark.ocr_proxy.ocr_pool import MODEL_NAME, OcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
 from reward import PaddleScorer, make_scorer
@@ -101,7 +101,7 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     try:
         assert pool.score(images, targets)[0].tolist() == expected[0].tolist() == [1.0, 1.0, 0.0]
         with serve(pool) as url:
-            scores, texts = make_scorer("vllm", urls=[url], model_path="pp-ocr", batch_size=3)(images, targets)
+            scores, texts = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=3)(images, targets)
     finally:
         pool.close()
     assert scores.tolist() == expected[0].tolist() and texts == expected[1]

@@ -83,20 +83,30 @@ class OcrPool:
             self.pool.join()
 
 
+MODEL_NAME = "pp-ocr"  # what GET /v1/models lists: the trainers' --reward-model
+
+
 @contextmanager
 def serve(pool: OcrPool):
     """POST /v1/chat/completions on 127.0.0.1 (a free port), answered with the PP-OCR read of the request's image,
-    in a thread until the block exits; yields the base URL for the trainers' --reward-urls."""
+    and GET /v1/models (the client's health check), in a thread until the block exits; yields the base URL for the
+    trainers' --reward-urls."""
 
     class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.reply({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             parts = body["messages"][0]["content"]
             url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
             image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
             message = {"role": "assistant", "content": pool.read(np.asarray(image))}
-            data = json.dumps({"object": "chat.completion", "model": body["model"],
-                               "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}).encode()
+            self.reply({"object": "chat.completion", "model": body["model"],
+                        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+
+        def reply(self, payload: dict):
+            data = json.dumps(payload).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))

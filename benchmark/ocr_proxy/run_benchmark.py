@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import OcrPool, serve  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import MODEL_NAME, OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo")
@@ -192,7 +192,7 @@ def main(args: Args) -> dict:
     with serve(pool) if pool else nullcontext() as url:
         if pool:
             # the reward is already PP-OCR: no second, in-process PP-OCR judge of the validation images
-            reward = ["--reward", "vllm", "--reward-urls", url, "--reward-model", "pp-ocr", "--eval-judge", "none"]
+            reward = ["--reward", "vllm", "--reward-urls", url, "--reward-model", MODEL_NAME, "--eval-judge", "none"]
             per_job = len(cores)
         else:  # each run on its own cores: each engine uses every core it sees, and side by side they would thrash
             reward, per_job = ["--reward", "paddle"], max(1, len(cores) // len(jobs))
