@@ -38,7 +38,7 @@ SAFE_TO_CHANGE_ON_RESUME = {
     "device", "text_encoder_device", "reward_device", "forward_batch_size", "policy_timesteps_per_forward", "compile",
     "gradient_checkpointing", "reward_urls", "reward_timeout", "reward_retries",  # the same scorer, reached otherwise
     # validation cost: it never feeds training (the change is printed: the eval curve changes protocol there)
-    "eval_every", "eval_prompts", "eval_steps",
+    "eval_every", "eval_prompts", "eval_steps", "eval_judge", "dry_run",
 }
 # Per-rank sizes define the run through their global value (x world size): a resume at another world size may change
 # them as long as the prompts per iteration and the images per optimizer step stay the same.

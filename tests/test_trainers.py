@@ -185,9 +185,9 @@ def test_resume_with_safe_changes_prints_them_and_continues(three_iteration_runs
     shutil.copytree(three_iteration_runs["crd.py"], run)
     (run / ".global_step_4.k1ll3d").mkdir()  # what `kill -9` during a save leaves
     result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 4, "--eval-every", 0, "--keep-last", 0,
-                   "--forward-batch-size", 16, "--resume-from", run / "global_step_3")
-    assert ("resuming with changed settings: eval_every 1 -> 0; forward_batch_size 48 -> 16; keep_last 2 -> 0; "
-            "num_iterations 3 -> 4") in result.stdout
+                   "--forward-batch-size", 16, "--eval-judge", "paddle", "--resume-from", run / "global_step_3")
+    assert ("resuming with changed settings: eval_every 1 -> 0; eval_judge none -> paddle; forward_batch_size 48 -> 16; "
+            "keep_last 2 -> 0; num_iterations 3 -> 4") in result.stdout
     assert sorted(p.name for p in run.glob("*global_step_*")) == ["global_step_2", "global_step_3", "global_step_4"]
     summary, iteration_s = json.loads((run / "summary.json").read_text()), scalars(run, "perf/iteration_s")
     assert summary["completed"] and summary["iterations"] == 4 and summary["mean_iteration_excludes"] == [1, 4]
