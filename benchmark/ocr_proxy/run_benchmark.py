@@ -3,17 +3,18 @@ PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables
 
     python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy --seeds 0 1 --iterations 60
 
-With two or more GPUs, CRD runs on GPU 0 and DGPO on GPU 1 (all seeds of one algorithm side by side on its GPU);
-with one GPU, every run shares it. The reward is PP-OCR: by default the driver serves reward.PaddleScorer's reads from
+The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it; none:
+the CPU, slowly). `--variants` sweeps trainer settings, `--final-guidances` scores the final checkpoints at more CFG
+scales. The reward is PP-OCR: by default the driver serves reward.PaddleScorer's reads from
 a pool of single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the
 in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead.
 Both algorithms get the same prompts, seeds, iterations, images per iteration and optimizer steps: only the trainer
 script differs. Outputs in --out:
     data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
-    runs/{crd,dgpo}_seed{S}/     the trainers' run directories (TensorBoard events, summary.json)
+    runs/{algo}[_{variant}]_seed{S}/   the trainers' run directories (TensorBoard events, summary.json)
     curves.png                   held-out PP-OCR (CFG 4.5, 40 steps) and rollout reward against iteration
-    compare_seed{S}.md           `bash run.sh compare` of the two algorithms' runs
-    grid_{algo}_seed{S}_{first,last}.png   the validation grids at the first and last validation
+    compare_[{variant}_]seed{S}.md     `bash run.sh compare` of the algorithms' runs
+    grid_{run}_{first,last}_iteration{N}.png   the validation grids at the first and last validation
     benchmark.json               base scores, per-run results, the base's and each run's last checkpoint's held-out
                                  PP-OCR at both protocols (pool scorer), and the wall time of each phase
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,7 +58,7 @@ class Args:
     pretrain: pretrain.Args = field(default_factory=lambda: pretrain.Args(out="~/.cache/crd/ocr-proxy"))
     """pretraining (its --pretrain.out is the model cache: reused when its configuration matches)"""
     seeds: list[int] = field(default_factory=lambda: [0])
-    """RL seeds; each seed runs both algorithms"""
+    """RL seeds; each seed runs every algorithm (and variant)"""
     iterations: int = 60
     """RL iterations of every run"""
     eval_every: int = 10
@@ -73,37 +75,53 @@ class Args:
     """PP-OCR engines of the pool (0: one per core, less one per trainer)"""
     trainer_args: str = ""
     """extra arguments for both trainers, e.g. '--trainer-args=--learning-rate 1e-4' (with '=')"""
+    algorithms: list[Literal["crd", "dgpo"]] = field(default_factory=lambda: list(ALGORITHMS))
+    """trainers run for every seed and variant"""
+    variants: list[str] = field(default_factory=list)
+    """a sweep: each NAME=ARGS runs every algorithm and seed with ARGS after --trainer-args, as runs
+    {algo}_{NAME}_seed{S}, e.g. '--variants default= lr1e-4=--learning-rate 1e-4'; none: runs {algo}_seed{S}"""
+    final_guidances: list[float] = field(default_factory=list)
+    """CFG scales (40 steps) at which the base and each run's last checkpoint are also scored after training, beside
+    the trainers' validation (CFG 4.5, 40 steps) and rollout (CFG 1, 10 steps) protocols"""
 
 
 def gpu_count() -> int:
+    """Without initialising CUDA in this process (its PP-OCR pool forks)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
     return sum(line.startswith("GPU") for line in out.splitlines())
 
 
-def launch(algo: str, seed: int, gpu: int, cores: list[int], model: Path, data: Path, runs: Path, max_sequence_length: int,
-           reward: list[str], args: Args) -> subprocess.Popen:
+def run_name(algo: str, variant: str, seed: int) -> str:
+    return f"{algo}_{variant}_seed{seed}" if variant else f"{algo}_seed{seed}"
+
+
+def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int], model: Path, data: Path, runs: Path,
+           max_sequence_length: int, reward: list[str], args: Args) -> subprocess.Popen:
     command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), *reward,
                "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / "test.jsonl"),
                "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
                "--num-iterations", str(args.iterations), "--eval-every", str(args.eval_every),
                "--eval-prompts", str(args.eval_prompts), "--save-every", str(args.iterations), "--seed", str(seed),
-               "--output-dir", str(runs), "--run-name", f"{algo}_seed{seed}", "--device", "cuda",
+               "--output-dir", str(runs), "--run-name", run_name(algo, variant, seed),
+               "--device", "cpu" if gpu is None else "cuda",
                "--no-compile",  # a 15.5M-parameter model: compiling would take longer than it saves
-               *shlex.split(args.trainer_args)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+               *shlex.split(args.trainer_args), *shlex.split(dict(v.split("=", 1) for v in args.variants).get(variant, ""))]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu)}
     print("+ " + " ".join(command), flush=True)
-    with open(runs / f"{algo}_seed{seed}.log", "w") as log:  # the child keeps its own copy of the file
+    with open(runs / f"{run_name(algo, variant, seed)}.log", "w") as log:  # the child keeps its own copy of the file
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
-                 resolution: int) -> dict:
-    """Held-out PP-OCR at both protocols (CFG 4.5 / 40 steps, CFG 1 / 10 steps) of the base model and of each run's
-    last checkpoint, with the adapter the trainers validate and roll out with ("sampling")."""
+                 resolution: int, guidances: list[float]) -> dict:
+    """Held-out PP-OCR at both protocols (CFG 4.5 / 40 steps, CFG 1 / 10 steps) and at `guidances` (40 steps) of the
+    base model and of each run's last checkpoint, with the adapter the trainers validate and roll out with
+    ("sampling")."""
     cuda = torch.cuda.is_available()
     pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
-    rollout.add_lora_adapters(pipe.transformer)  # the trainers' default rank and alpha
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
 
     def embed(prompts):
@@ -112,16 +130,19 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
     def both(adapter):
         with rollout.use_adapter(pipe.transformer, adapter):
             return {f"cfg{g}_{n}steps": pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
-                    for g, n in ((4.5, 40), (1, 10))}
+                    for g, n in ((4.5, 40), (1, 10), *((g, 40) for g in guidances if g != 4.5))}
 
     scores = {"base": both(None)}
-    for name, run_dir in runs.items():
+    for index, (name, run_dir) in enumerate(runs.items()):
+        adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
         checkpoints = sorted(run_dir.glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
         if checkpoints:
+            trained = json.loads((checkpoints[-1] / "trainer_state.json").read_text())["args"]
+            rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
             adapters = load_file(checkpoints[-1] / "adapters.safetensors")
-            rollout.load_lora_state_dict(pipe.transformer, "sampling", {
+            rollout.load_lora_state_dict(pipe.transformer, adapter, {
                 k.removeprefix("sampling."): v for k, v in adapters.items() if k.startswith("sampling.")})
-            scores[name] = {"checkpoint": checkpoints[-1].name, **both("sampling")}
+            scores[name] = {"checkpoint": checkpoints[-1].name, **both(adapter)}
     return scores
 
 
@@ -152,14 +173,14 @@ def plot_curves(curves: dict, path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, tag, label in ((axes[0], "eval/reward_mean", "held-out PP-OCR (CFG 4.5, 40 steps)"),
                            (axes[1], "train/reward_mean", "rollout PP-OCR (training words, CFG 1, 10 steps)")):
-        for algo, color in zip(ALGORITHMS, ("tab:blue", "tab:orange")):
-            runs = [dict(c[tag]) for c in curves[algo].values() if c[tag]]
+        for (name, seeds), color in zip(curves.items(), plt.get_cmap("tab10").colors):
+            runs = [dict(c[tag]) for c in seeds.values() if c[tag]]
             for run in runs:
                 ax.plot(list(run), list(run.values()), color=color, alpha=0.3, linewidth=0.8)
             steps = sorted(set.intersection(*(set(r) for r in runs))) if runs else []
             if steps:
                 mean = [sum(r[s] for r in runs) / len(runs) for s in steps]
-                ax.plot(steps, mean, color=color, linewidth=2, label=f"{algo.upper()} (mean of {len(runs)} seeds)")
+                ax.plot(steps, mean, color=color, linewidth=2, label=f"{name} (mean of {len(runs)} seeds)")
         ax.set_xlabel("iteration")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -176,7 +197,8 @@ def main(args: Args) -> dict:
     report = {"args": asdict(args), "phases_s": {}}
 
     started = benchmark_started = time.perf_counter()
-    jobs = [(algo, seed) for seed in args.seeds for algo in ALGORITHMS]
+    variants = [v.split("=", 1)[0] for v in args.variants] or [""]
+    jobs = [(algo, variant, seed) for seed in args.seeds for variant in variants for algo in args.algorithms]
     cores = sorted(os.sched_getaffinity(0))
     pool = OcrPool(args.ocr_workers or max(1, len(cores) - len(jobs))) if args.scorer == "pool" else None
     model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
@@ -196,7 +218,7 @@ def main(args: Args) -> dict:
             per_job = len(cores)
         else:  # each run on its own cores: each engine uses every core it sees, and side by side they would thrash
             reward, per_job = ["--reward", "paddle"], max(1, len(cores) // len(jobs))
-        processes = {job: launch(*job, i % len(ALGORITHMS) % max(gpus, 1),
+        processes = {job: launch(*job, i % gpus if gpus else None,
                                  cores[i * per_job % len(cores) :][:per_job], model, data, runs,
                                  args.pretrain.max_sequence_length, reward, args)
                      for i, job in enumerate(jobs)}
@@ -212,27 +234,31 @@ def main(args: Args) -> dict:
     report["phases_s"]["rl"] = time.perf_counter() - started
     if pool:
         started = time.perf_counter()
-        report["final_scores"] = final_scores(model, {f"{a}_seed{s}": runs / f"{a}_seed{s}" for a, s in jobs},
+        report["final_scores"] = final_scores(model, {run_name(*job): runs / run_name(*job) for job in jobs},
                                               words["test"][: args.eval_prompts], pool,
-                                              args.pretrain.max_sequence_length, args.pretrain.task.resolution)
+                                              args.pretrain.max_sequence_length, args.pretrain.task.resolution,
+                                              args.final_guidances)
         report["phases_s"]["final_scores"] = time.perf_counter() - started
         pool.close()
         print(f"run_benchmark: held-out PP-OCR of the base and each run's last checkpoint: {report['final_scores']}")
-    report["return_codes"] = {f"{a}_seed{s}": p.returncode for (a, s), p in processes.items()}
+    report["return_codes"] = {run_name(*job): p.returncode for job, p in processes.items()}
 
     started = time.perf_counter()
-    curves, report["runs"], report["grids"] = {a: {} for a in ALGORITHMS}, {}, []
-    for algo, seed in jobs:
-        run_dir = runs / f"{algo}_seed{seed}"
-        curves[algo][seed] = {tag: scalars(run_dir, tag) for tag in ("eval/reward_mean", "train/reward_mean")}
+    curves, report["runs"], report["grids"] = {}, {}, []
+    for algo, variant, seed in jobs:
+        name, run_dir = run_name(algo, variant, seed), runs / run_name(algo, variant, seed)
+        curve = {tag: scalars(run_dir, tag) for tag in ("eval/reward_mean", "train/reward_mean")}
+        curves.setdefault(f"{algo.upper()} {variant}".strip(), {})[seed] = curve
         summary = run_dir / "summary.json"
-        report["runs"][f"{algo}_seed{seed}"] = {**(json.loads(summary.read_text()) if summary.is_file() else {}),
-                                                "eval": curves[algo][seed]["eval/reward_mean"]}
-        report["grids"] += save_grids(run_dir, out, f"{algo}_seed{seed}")
-    for seed in args.seeds:
-        table = subprocess.run(["bash", str(ROOT / "run.sh"), "compare", str(runs / f"crd_seed{seed}"),
-                                str(runs / f"dgpo_seed{seed}")], capture_output=True, text=True, check=False)
-        (out / f"compare_seed{seed}.md").write_text(table.stdout + table.stderr)
+        report["runs"][name] = {**(json.loads(summary.read_text()) if summary.is_file() else {}),
+                                "eval": curve["eval/reward_mean"]}
+        report["grids"] += save_grids(run_dir, out, name)
+    for variant in variants:
+        for seed in args.seeds if len(args.algorithms) > 1 else ():
+            table = subprocess.run(["bash", str(ROOT / "run.sh"), "compare",
+                                    *(str(runs / run_name(a, variant, seed)) for a in args.algorithms)],
+                                   capture_output=True, text=True, check=False)
+            (out / f"compare_{run_name('', variant, seed).lstrip('_')}.md").write_text(table.stdout + table.stderr)
     plot_curves(curves, out / "curves.png", f"OCR proxy: {len(args.seeds)} seed(s), {args.iterations} iterations, "
                 f"4 prompts x 6 images, PP-OCR reward; base validation {proxy['chosen']['cfg4.5_40steps']:.2f}")
     report["phases_s"]["report"] = time.perf_counter() - started
