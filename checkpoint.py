@@ -210,6 +210,22 @@ def checkpoints(run_dir):
     return sorted(Path(run_dir).glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
 
 
+def read_adapters(checkpoint):
+    """({adapter name: LoRA {key: tensor}}, the run's Args as saved) of a checkpoint directory, for tools that load a
+    trained adapter beside the trainers (evaluate.py, the benchmarks); RunError names what is missing."""
+    path = Path(checkpoint)
+    if not (path / "trainer_state.json").is_file() or not (path / "adapters.safetensors").is_file():
+        raise RunError(f"{path}: not a checkpoint directory (no trainer_state.json and adapters.safetensors)")
+    trained = json.loads((path / "trainer_state.json").read_text()).get("args", {})
+    if "lora_rank" not in trained:
+        raise RunError(f"{path}: its trainer_state.json records no Args (lora_rank, lora_alpha)")
+    adapters = {}
+    for key, value in load_file(path / "adapters.safetensors").items():
+        name, lora_key = key.split(".", 1)
+        adapters.setdefault(name, {})[lora_key] = value
+    return adapters, trained
+
+
 def load_checkpoint(path, transformer, optimizer, device):
     adapters = load_file(Path(path) / "adapters.safetensors")
     for name in ADAPTERS:

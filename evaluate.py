@@ -29,9 +29,9 @@ import torch
 import tyro
 from diffusers import StableDiffusion3Pipeline
 from PIL import Image
-from safetensors.torch import load_file
 from tqdm import tqdm
 
+from checkpoint import RunError, read_adapters
 from data import DataError, load_prompts
 from reward import SCORERS, ServerError, make_scorer
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
@@ -147,19 +147,14 @@ def sha256(*paths):
 
 def read_checkpoint(args):
     """(LoRA {key: tensor} of --adapter, rank, alpha, the checkpoint's model, sha256 of its adapters file)."""
-    path = Path(args.checkpoint)
-    if not (path / "trainer_state.json").is_file() or not (path / "adapters.safetensors").is_file():
-        fail(f"--checkpoint {path}: not a checkpoint directory (no trainer_state.json and adapters.safetensors)")
-    trained = json.loads((path / "trainer_state.json").read_text()).get("args", {})
-    if "lora_rank" not in trained:
-        fail(f"--checkpoint {path}: its trainer_state.json records no Args (lora_rank, lora_alpha)")
-    adapters = load_file(path / "adapters.safetensors")
-    names = sorted({key.split(".", 1)[0] for key in adapters})
-    if args.adapter not in names:
-        fail(f"--adapter {args.adapter}: {path / 'adapters.safetensors'} holds the adapters {', '.join(names)}")
-    state = {k.split(".", 1)[1]: v for k, v in adapters.items() if k.split(".", 1)[0] == args.adapter}
-    weights_sha256 = sha256(path / "adapters.safetensors")
-    return state, trained["lora_rank"], trained["lora_alpha"], trained.get("model"), weights_sha256
+    try:
+        adapters, trained = read_adapters(args.checkpoint)
+    except RunError as error:
+        fail(f"--checkpoint {error}")
+    path = Path(args.checkpoint) / "adapters.safetensors"
+    if args.adapter not in adapters:
+        fail(f"--adapter {args.adapter}: {path} holds the adapters {', '.join(sorted(adapters))}")
+    return adapters[args.adapter], trained["lora_rank"], trained["lora_alpha"], trained.get("model"), sha256(path)
 
 
 def read_lora(args):

@@ -36,11 +36,11 @@ from typing import Literal
 
 import torch
 import tyro
-from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import checkpoint  # noqa: E402
 import rollout  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import MODEL_NAME, OcrPool, serve  # noqa: E402
@@ -135,13 +135,11 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
     scores = {"base": both(None)}
     for index, (name, run_dir) in enumerate(runs.items()):
         adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
-        checkpoints = sorted(run_dir.glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
+        checkpoints = checkpoint.checkpoints(run_dir)
         if checkpoints:
-            trained = json.loads((checkpoints[-1] / "trainer_state.json").read_text())["args"]
+            adapters, trained = checkpoint.read_adapters(checkpoints[-1])
             rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
-            adapters = load_file(checkpoints[-1] / "adapters.safetensors")
-            rollout.load_lora_state_dict(pipe.transformer, adapter, {
-                k.removeprefix("sampling."): v for k, v in adapters.items() if k.startswith("sampling.")})
+            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["sampling"])
             scores[name] = {"checkpoint": checkpoints[-1].name, **both(adapter)}
     return scores
 
