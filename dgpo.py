@@ -320,6 +320,7 @@ if __name__ == "__main__":
         run_dir, run_lock = prepare_run(args, Path(__file__).stem, world_size, rank == 0)  # locked until exit
     except RunError as error:
         fail(error)
+    signals = GracefulStop()  # before the models load, on every rank: a signal then stops after the first iteration
     device = torch.device(args.device)
     if world_size > 1:
         # ranks wait for rank 0's validation, and for each other's first compile: minutes, past the 10-minute default
@@ -374,7 +375,6 @@ if __name__ == "__main__":
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
-    signals = GracefulStop()
     writer = None
     if main_process:
         writer = SummaryWriter(run_dir, purge_step=state["iteration"] + 1 if state["iteration"] else None)

@@ -6,7 +6,9 @@
 # Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
 # TOTAL_TRAINING_STEPS (100 iterations), EVAL_PROMPTS (32 held-out prompts per validation; the anchor table used 128),
 # OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
-# REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's).
+# REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's),
+# STOP_TIMEOUT (600: seconds several actor ranks get to finish the iteration and save after SIGTERM/Ctrl-C).
+# SIGTERM or Ctrl-C stops the run at the end of its iteration with a checkpoint; the exit status is then 143 / 130.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -62,7 +64,9 @@ EVAL_DATA=${EVAL_DATA:-data/ocr/test.jsonl}
 MODEL=${MODEL:-stabilityai/stable-diffusion-3.5-medium}
 REWARD_MODEL=${REWARD_MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}
 REWARD_PORT=${REWARD_PORT:-8000}
-for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS EVAL_PROMPTS REWARD_PORT; do
+STOP_TIMEOUT=${STOP_TIMEOUT:-600}
+for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS EVAL_PROMPTS REWARD_PORT \
+            STOP_TIMEOUT; do
   [[ ${!name} =~ ^(0|[1-9][0-9]*)$ ]] || { echo "run.sh: error: $name=${!name}: not a whole number" >&2; exit 1; }
 done
 (( NUM_GPUS_ACTOR_ROLLOUT > 0 )) || { echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed" >&2; exit 1; }
@@ -117,8 +121,19 @@ fi
 if (( NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
   launcher=("$PYTHON")  # one process: without torchrun, whose report of a failed rank would bury the trainer's error
 else
-  launcher=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT")
+  # torchrun (launch.py: with the shell's exit codes, no traceback); --shutdown-timeout: how long the ranks may take to
+  # finish their iteration and save after a signal before torchrun kills them
+  launcher=("$PYTHON" launch.py --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT" --shutdown-timeout "$STOP_TIMEOUT")
 fi
 cmd=("${launcher[@]}" "${trainer[@]}")
 echo "+ ${cmd[*]}"
-"${cmd[@]}"
+if $serve_reward; then
+  # the trainer replaces this shell (exec, same PID), so a signal to run.sh reaches it and its exit status is run.sh's;
+  # this watcher takes the reward server down once the trainer has exited (an unreaped zombie counts as exited), not
+  # before a graceful stop has scored its last images
+  alive() { local state; state=$(ps -o stat= -p "$1") && [[ $state != Z* ]]; }
+  trap - EXIT
+  ( trap '' INT TERM; while alive $$; do sleep 0.5; done; kill -- -"$server" 2>/dev/null
+    while alive "$server"; do sleep 0.2; done ) &
+fi
+exec "${cmd[@]}"

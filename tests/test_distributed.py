@@ -55,7 +55,7 @@ def start(tiny_model_dir, out_dir, *extra, nproc=2, script="crd.py", script_args
     launcher = [sys.executable]
     if nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # 2 ranks on 2 cores
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        launcher += ["launch.py", "--standalone", "--nproc-per-node", str(nproc)]  # torchrun, with the shell's exit codes
     cmd = [*launcher, script, *map(str, script_args), *TINY_RUN, "--output-dir", str(out_dir), *map(str, extra)]
     process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
@@ -180,9 +180,9 @@ def test_summary_holds_the_peak_memory_of_every_rank(two_processes):
 
 
 def test_sigterm_under_torchrun_stops_every_rank_with_a_checkpoint(tiny_model_dir, tmp_path):
-    """SIGTERM to the whole process group, as a scheduler sends it: the workers get it twice (once from torchrun),
-    finish the iteration, and rank 0 saves and records the stop; no worker prints a traceback (torchrun itself
-    reports the signal it got with its own SignalException)."""
+    """SIGTERM to the launcher's process group, as a scheduler or `timeout` sends it (torchrun starts each worker in a
+    session of its own and forwards the signal): the workers finish the iteration, rank 0 saves a complete checkpoint
+    once and records the stop, and the launcher exits 143 with one line, no traceback from it or any worker."""
     process, _ = start(tiny_model_dir, tmp_path, "--run-name", "run", "--num-iterations", 1000, "--save-every", 1000,
                        "--prompts-per-rank", 1)
     deadline = time.time() + TIMEOUT
@@ -194,8 +194,13 @@ def test_sigterm_under_torchrun_stops_every_rank_with_a_checkpoint(tiny_model_di
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert 'crd.py", line' not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    (checkpoint,) = (tmp_path / "run").glob("global_step_*")
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    assert "launch.py: stopped by SIGTERM, which torchrun forwarded to the ranks" in stderr
+    (saved,) = (tmp_path / "run").glob("*global_step_*")  # one, complete (no temporary directory left)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["completed"] is False and summary["stopped_by"] == "SIGTERM" and summary["world_size"] == 2
-    assert summary["iterations"] == int(checkpoint.name.split("_")[-1]) >= 1
+    assert summary["iterations"] == int(saved.name.split("_")[-1]) >= 1
+    state = json.loads((saved / "trainer_state.json").read_text())
+    assert state["iteration"] == summary["iterations"] and state["world_size"] == 2
+    assert {key.split(".")[0] for key in adapters(tmp_path / "run", state["iteration"])} == {"policy", "old", "sampling"}
+    assert torch.load(saved / "optimizer.pt", weights_only=True)["state"]  # Adam moments: it trained

@@ -8,9 +8,11 @@ that is not activated): run.sh must use $PYTHON, which the tests set to this int
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,44 @@ def test_a_trainer_error_is_its_one_line(tmp_path):
 def test_bad_environment_overrides_are_one_line(tmp_path, override, message):
     result = run_sh({**fake_tools(tmp_path), **override}, "crd", timeout=30)
     assert result.returncode == 1 and result.stderr.splitlines() == [f"run.sh: error: {message}"]
+
+
+def test_launch_py_reports_a_failed_rank_in_one_line_with_its_exit_code(tmp_path):
+    """torchrun's ~40-line ChildFailedError report becomes one line after the rank's own error, with its exit code."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit('fails.py: error: rank 1 gives up')\n")
+    result = subprocess.run([sys.executable, "launch.py", "--standalone", "--nproc-per-node", "2", str(script)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert "fails.py: error: rank 1 gives up" in lines
+    assert lines[-1] == f"launch.py: rank 1 of {script} failed (exit code 1); its error is printed above"
+
+
+def test_ctrl_c_to_run_sh_stops_several_ranks_with_a_checkpoint_and_exit_130(tmp_path, tiny_model_dir):
+    """SIGINT to run.sh's process alone (it execs the launcher, so no shell stands between): torchrun forwards it, the
+    2 ranks (gloo on CPU) finish their iteration, rank 0 saves, and run.sh exits 130 without a traceback."""
+    env = {**fake_tools(tmp_path, gpus=2), "NUM_GPUS_ACTOR_ROLLOUT": "2", "NUM_GPUS_REWARD": "0", "OMP_NUM_THREADS": "1",
+           "CRD_CACHE": str(tiny_model_dir.parent), "OUTPUT_DIR": str(tmp_path / "runs"), "GROUP_SIZE": "4",
+           "IMAGE_RESOLUTION": "64", "TRAIN_DATA": str(DATA / "train.txt"), "EVAL_DATA": str(DATA / "test.txt"),
+           "TOTAL_TRAINING_STEPS": "1000"}
+    process = subprocess.Popen(["bash", "run.sh", "crd", "--model", "tiny", "--device", "cpu", "--reward", "brightness",
+                                "--prompts-per-rank", "1", "--eval-every", "0", "--save-every", "1000",
+                                "--run-name", "stopped"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = tmp_path / "runs" / "stopped"
+    try:
+        deadline = time.time() + 120
+        while not list(run.glob("events.*")) and time.time() < deadline:
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"+ {sys.executable} launch.py --standalone --nproc-per-node 2 --shutdown-timeout 600 crd.py " in stdout
+    assert "launch.py: stopped by SIGINT" in stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] is False and summary["stopped_by"] == "SIGINT" and summary["world_size"] == 2
+    assert [p.name for p in run.glob("*global_step_*")] == [f"global_step_{summary['iterations']}"]
