@@ -4,7 +4,8 @@ A run directory holds one run: its TensorBoard events, `global_step_N/` checkpoi
 `summary.json`. A process owns it through an exclusive lock on `run.lock`, held for the process lifetime, so two live
 processes never share one; a directory that already holds a run is only continued by `--resume-from` its checkpoint,
 or replaced with `--overwrite`. A resume refuses settings that would change the run's math (`SAFE_TO_CHANGE_ON_RESUME`
-lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal; the summary then says so.
+lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal; a failed scorer stops the run
+before it trains on the failed iteration, saving the one before; the summary then says what stopped it.
 """
 
 import fcntl
@@ -205,6 +206,15 @@ def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last
     return final
 
 
+def save_last_iteration(run_dir, state, transformer, optimizer, keep_last):
+    """save_checkpoint of the last completed iteration, state["iteration"]; a write error ends the process with its
+    line (the trainers' error format)."""
+    try:
+        return save_checkpoint(run_dir, state["iteration"], transformer, optimizer, state, keep_last)
+    except RunError as error:
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {error}")
+
+
 def checkpoints(run_dir):
     """The complete checkpoints of a run directory, oldest first."""
     return sorted(Path(run_dir).glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
@@ -273,7 +283,8 @@ def other_gpus_memory(actor_device, roles):
 def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by, other_gpus):
     """summary.json: whether the run did all its iterations (else what stopped it), validation rewards, iteration
     times with the first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory."""
-    history, times = state["eval"], state["iteration_s"]
+    history = [entry for entry in state["eval"] if np.isfinite(entry[1])]  # NaN: its scorer failed (the run stopped)
+    times = state["iteration_s"]
     warmups = set(state["start_iterations"])
     steady = [t for i, t in enumerate(times, 1) if i not in warmups]
     mean = float(np.mean(steady)) if steady else None

@@ -36,9 +36,9 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from checkpoint import (GracefulStop, RunError, actor_peak_memory, load_checkpoint, other_gpus_memory, prepare_run,
-                        save_checkpoint, write_summary)
+                        save_last_iteration, write_summary)
 from data import DataError, GroupSampler, load_prompts
-from reward import SCORERS, make_scorer
+from reward import SCORERS, GuardedScorer, make_scorer
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder, ema_update_,
                      encode_prompts, load_pipeline, lora_parameters, negative_embeddings, predict_velocity, sample,
                      use_adapter, warn_cut_targets)
@@ -344,9 +344,9 @@ if __name__ == "__main__":
             print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval prompts")
             sys.exit(0)
         # the scorer before the pipeline: a reward server is checked before minutes of model loading
-        scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
-                             urls=args.reward_urls, batch_size=B, timeout=args.reward_timeout,
-                             max_retries=args.reward_retries)
+        scorer = GuardedScorer(make_scorer(args.reward, device=args.reward_device or str(device), urls=args.reward_urls,
+                                           model_path=args.reward_model, batch_size=B, timeout=args.reward_timeout,
+                                           max_retries=args.reward_retries))  # a failure: NaN scores, see below
         pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                              text_encoder_device=args.text_encoder_device or None)
         judge = None
@@ -375,6 +375,7 @@ if __name__ == "__main__":
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
+    state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=Path(__file__).stem)
     writer = None
     if main_process:
         writer = SummaryWriter(run_dir, purge_step=state["iteration"] + 1 if state["iteration"] else None)
@@ -466,6 +467,9 @@ if __name__ == "__main__":
         waiting = time.perf_counter()
         (scores, _), perf["reward_s"] = pending_scores.result()
         rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device), world_size)  # (world * B,)
+        if rewards.isnan().any():  # a scorer failed, on any rank: every rank stops before training on this iteration
+            stopped_by = scorer.failure or "the reward failed on another rank"
+            break
         advantages = group_advantages(rewards, G, args.global_std, args.adv_clip)[rank * B : (rank + 1) * B]
         perf["reward_wait_s"] = time.perf_counter() - waiting
         losses, decays, grad_norms, skipped_steps = {}, {}, [], 0
@@ -508,7 +512,7 @@ if __name__ == "__main__":
         perf["train_s"] = time.perf_counter() - timer - perf["reward_wait_s"]
         perf["iteration_s"] = perf["rollout_s"] + perf["reward_wait_s"] + perf["train_s"]
         perf["images_per_s"] = world_size * B / perf["iteration_s"]
-        state["iteration"] = iteration + 1
+        state.update(iteration=iteration + 1, sampler=sampler.state_dict())  # a resume from here draws what follows
         state["iteration_s"].append(perf["iteration_s"])
 
         # TRY NOT TO MODIFY: logging, validation, checkpoints
@@ -529,23 +533,22 @@ if __name__ == "__main__":
                 writer.add_scalar("perf/eval_s", evaluate(iteration + 1), iteration + 1)
         peaks = actor_peak_memory(device, world_size)  # after validation: it may be the peak
         state["peak_mem_gib"] = {k: max(v, state["peak_mem_gib"].get(k, 0.0)) for k, v in peaks.items()}
-        stop = torch.tensor([signals.signum or 0, nonfinite_streak >= args.max_nonfinite_steps], device=device)
+        stop = torch.tensor([signals.signum or 0, nonfinite_streak >= args.max_nonfinite_steps, bool(scorer.failure)],
+                            device=device)  # the scorer may fail in validation
         if world_size > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops every rank
-        stop_signal, diverged = stop.tolist()
-        stopped_by = signal.Signals(stop_signal).name if stop_signal else "non-finite gradients" if diverged else None
+        stop_signal, diverged, failed = stop.tolist()
+        stopped_by = (signal.Signals(stop_signal).name if stop_signal else f"{nonfinite_streak} consecutive non-finite "
+                      "gradients" if diverged else scorer.failure or "the reward failed on another rank" if failed else None)
         if main_process:
             writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iteration + 1)
-            if stopped_by or (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
-                state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size,
-                             algorithm=Path(__file__).stem)
-                try:
-                    save_checkpoint(run_dir, iteration + 1, transformer, optimizer, state, args.keep_last)
-                except RunError as error:
-                    fail(error)
         if stopped_by:
             break
+        if main_process and ((iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations):
+            save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)
 
+    if main_process and stopped_by and state["iteration"]:  # a stop keeps the last completed iteration
+        save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)
     if main_process:
         summary = write_summary(run_dir, state, args, Path(__file__).stem, world_size, world_size * B, stopped_by,
                                 other_gpus_memory(device, {"reward": args.reward_device,
@@ -555,7 +558,7 @@ if __name__ == "__main__":
     if world_size > 1:  # tear the process group down in step, or gloo's threads abort the exit
         dist.barrier()
         dist.destroy_process_group()
-    if stopped_by == "non-finite gradients":
-        fail(f"{nonfinite_streak} consecutive non-finite gradients: stopped with a checkpoint in {run_dir}")
+    if stopped_by and not stop_signal:  # non-finite gradients or a failed scorer
+        fail(f"{stopped_by}: stopped after iteration {state['iteration']} (the latest checkpoint is in {run_dir})")
     if stop_signal:
         sys.exit(128 + stop_signal)  # the shell's convention for a process ended by that signal

@@ -15,6 +15,7 @@ import itertools
 import re
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -245,7 +246,8 @@ class VLLMScorer:
             try:
                 response = self.requests.post(f"{url}/v1/chat/completions", json=payload, timeout=self.timeout)
             except (self.requests.ConnectionError, self.requests.Timeout) as e:
-                cause = f"{type(e).__name__}: {e}"
+                reason = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))  # the OS's reason, without urllib3's wrapping
+                cause = f"{type(e).__name__}: {reason.group(0) if reason else e}"
                 continue
             if response.status_code == 200:
                 return (response.json()["choices"][0]["message"]["content"] or "").strip()
@@ -253,11 +255,31 @@ class VLLMScorer:
             if response.status_code < 500:  # a 4xx (wrong model name, bad payload) will not get better by retrying
                 raise ServerError(f"vLLM server {url} rejected the request: {cause}")
             # a 5xx: an overloaded or restarting server may recover, so retry
-        raise ServerError(f"vLLM server {url} failed {self.max_retries + 1} attempts (timeout {self.timeout}s); last: {cause}")
+        raise ServerError(f"vLLM server {url} failed {self.max_retries + 1} attempts (timeout {self.timeout:g} s); last: {cause}")
 
     def __call__(self, images, targets):
         with ThreadPoolExecutor(self.concurrency) as pool:
             return _score_texts(list(pool.map(self.transcribe, _to_pil(images))), targets)
+
+
+class GuardedScorer:
+    """A scorer that does not raise: when the wrapped one fails (a reward server still failing after its retries, or any
+    other error), it returns NaN scores, and `failure` keeps the first failure in one line. The trainers see the NaN
+    among the gathered rewards on every rank and stop together before training on them, keeping the last completed
+    iteration, rather than dying mid-iteration with a traceback. An error that is not a server's (a bug in a scorer)
+    also prints its traceback, which its fix needs."""
+
+    def __init__(self, scorer: Scorer):
+        self.scorer, self.failure = scorer, None
+
+    def __call__(self, images, targets):
+        try:
+            return self.scorer(images, targets)
+        except Exception as error:
+            if not isinstance(error, ServerError):
+                traceback.print_exc()
+            self.failure = self.failure or f"the reward failed: {error if isinstance(error, ServerError) else repr(error)}"
+            return np.full(len(targets), np.nan, dtype=np.float32), [""] * len(targets)
 
 
 def brightness(images, targets=None) -> tuple[np.ndarray, list[str]]:

@@ -8,14 +8,18 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint
+import reward
 import rollout
-from test_trainers import ROOT, train
+from ocr_server import ocr_server
+from test_trainers import ROOT, TINY_RUN, train
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +158,58 @@ def test_a_dry_run_checks_the_run_directory_without_creating_it(tiny_model_dir, 
     held = train("crd.py", tiny_model_dir, tmp_path, "--dry-run", check=False)
     assert held.returncode != 0 and "already holds a run (summary.json)" in held.stderr
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["summary.json"]
+
+
+def test_a_reward_server_that_dies_mid_run_stops_the_run_with_the_last_iteration_saved(tiny_model_dir, tmp_path):
+    """A real HTTP reward server (tests/ocr_server.py) goes down once the first iteration's images are scored: the
+    second iteration's requests fail through their retries, the run stops before training on them, with one line naming
+    the server, a checkpoint of iteration 1 (the sampler where iteration 2 starts, so a resume redoes it) and a summary
+    saying what stopped it; the checkpoint resumes."""
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
+    # 1 prompt x 2 images an iteration; no checkpoint but the one the failure writes
+    run_args = ["--reward", "vllm", "--prompts-per-rank", 1, "--group-size", 2, "--eval-every", 0, "--save-every", 100,
+                "--reward-retries", 1, "--reward-timeout", 5]
+    with ocr_server(read=lambda image: "") as (url, server):
+        cmd = [sys.executable, "crd.py", *TINY_RUN, "--output-dir", tmp_path, "--run-name", "run", "--num-iterations", 3,
+               *run_args, "--reward-urls", url]
+        process = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while server.requests < 2 and time.time() < deadline and process.poll() is None:
+            time.sleep(0.05)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if "error" in line]
+    assert line == (f"crd.py: error: the reward failed: vLLM server {url} failed 2 attempts (timeout 5 s); last: "
+                    "ConnectionError: [Errno 111] Connection refused: stopped after iteration 1 (the latest checkpoint is "
+                    f"in {tmp_path / 'run'})")
+    run = tmp_path / "run"
+    assert [p.name for p in run.glob("*global_step_*")] == ["global_step_1"]
+    state = json.loads((run / "global_step_1" / "trainer_state.json").read_text())
+    assert state["iteration"] == 1 and state["sampler"] == {"epoch": 0, "position": 1}  # 1 prompt drawn, not 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] is False and summary["iterations"] == 1
+    assert summary["stopped_by"] == line.removeprefix("crd.py: error: ").split(": stopped after")[0]
+    with ocr_server(read=lambda image: "") as (url, server):  # the server is back: the run continues from iteration 2
+        resumed = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, *run_args, "--reward-urls", url,
+                        "--resume-from", run / "global_step_1")
+    assert "Traceback" not in resumed.stderr and server.requests == 2
+    assert json.loads((run / "summary.json").read_text())["completed"] is True
+
+
+def test_a_failing_scorer_returns_nan_and_keeps_its_first_failure(capsys):
+    """Any scorer error, not only a server's: the trainers stop on the NaN; a bug's traceback is printed for its fix."""
+    def broken(images, targets):
+        raise ValueError(f"cannot read {len(images)} images")
+
+    scorer = reward.GuardedScorer(broken)
+    scores, texts = scorer(np.zeros((3, 8, 8, 3), np.uint8), ["a", "b", "c"])
+    assert scores.shape == (3,) and np.isnan(scores).all() and texts == ["", "", ""]
+    assert scorer.failure == "the reward failed: ValueError('cannot read 3 images')"
+    assert "Traceback" in capsys.readouterr().err
+    scorer(np.zeros((1, 8, 8, 3), np.uint8), ["a"])
+    assert scorer.failure == "the reward failed: ValueError('cannot read 3 images')"  # the first failure
+    assert reward.GuardedScorer(reward.brightness)(np.full((1, 8, 8, 3), 255, np.uint8), ["a"])[0].tolist() == [1.0]
