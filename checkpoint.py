@@ -154,8 +154,9 @@ def held_run(run_dir, resuming, overwrite):
 
 class GracefulStop:
     """SIGTERM and SIGINT set `signum`: the trainer finishes the iteration, saves and exits 128 + signal. The same
-    signal again exits at once (a checkpoint being written is removed), except under torchrun: it forwards a signal to
-    its workers as SIGTERM after they may have had it from the shell already, and kills them 30 s later itself."""
+    signal again exits at once (a checkpoint being written is removed), except under torchrun: it forwards the signal
+    it got to its workers, which may have had it already (Slurm signals every process of a job), and kills them itself
+    --shutdown-timeout seconds later (launch.py)."""
 
     def __init__(self):
         self.signum = None
