@@ -27,7 +27,6 @@ from typing import Literal
 import numpy as np
 import torch
 import tyro
-from diffusers import StableDiffusion3Pipeline
 from PIL import Image
 from tqdm import tqdm
 
@@ -160,6 +159,8 @@ def read_checkpoint(args):
 def read_lora(args):
     """(LoRA {key: tensor} in lora_state_dict's keys, sha256 of its weights) of a diffusers-format directory, checked
     against --lora-rank and --lora-alpha."""
+    from diffusers import StableDiffusion3Pipeline  # here: diffusers takes seconds to import, argument checks do not
+
     path = Path(args.lora)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:

@@ -12,6 +12,8 @@ optimizer lives here. One transformer carries three LoRA adapters (trainable `po
         out = sample(pipe, embeds, pooled, seeds)          # {"latents", "images", "timesteps", "sigmas"}
 """
 
+from __future__ import annotations
+
 import logging
 import math
 import os
@@ -22,23 +24,23 @@ import tempfile
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from peft import LoraConfig
-from peft.tuners.tuners_utils import BaseTunerLayer
-from peft.utils import get_peft_model_state_dict
 from PIL import Image, ImageDraw, ImageFont
-from tokenizers import pre_tokenizers
 from tqdm.auto import tqdm
-from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
-                          T5Tokenizer)
+
+# diffusers, transformers and peft (4 of the 6 seconds a trainer takes to start) are imported in the functions that
+# use them, so that argument checks, --dry-run and --help answer before they load.
+if TYPE_CHECKING:
+    from diffusers import StableDiffusion3Pipeline
+    from transformers import CLIPTokenizer, T5Tokenizer
 
 # Without torchvision, transformers warns at the SD3 pipeline's import that its image processors fall back to PIL
 # ones; the pipeline does not use them, and the qwen-vl scorer loads the PIL one by name.
 logging.getLogger("transformers.utils.import_utils").addFilter(
     lambda record: "requires torchvision" not in record.getMessage())
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: E402
 
 TINY = "tiny"
 RANDOM_MEDIUM = "random-sd3.5-medium"
@@ -76,6 +78,9 @@ TINY_CONFIG = dict(
 
 def _clip_tokenizer(vocab_size: int | None) -> CLIPTokenizer:
     """Byte-level BPE without merges (each character is a token), padded with unused tokens to `vocab_size`."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
     chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens = chars + [c + "</w>" for c in chars]
     tokens += [f"<unused{i}>" for i in range((vocab_size or 0) - len(tokens) - 2)]
@@ -85,6 +90,8 @@ def _clip_tokenizer(vocab_size: int | None) -> CLIPTokenizer:
 
 def _t5_tokenizer(vocab_size: int | None) -> T5Tokenizer:
     """Unigram over single characters, padded with unused pieces to `vocab_size`."""
+    from transformers import T5Tokenizer
+
     pieces = ["<pad>", "</s>", "<unk>", "▁"] + list(string.ascii_letters + string.digits + string.punctuation)
     pieces += [f"<unused{i}>" for i in range((vocab_size or 0) - len(pieces))]
     return T5Tokenizer(vocab=[(p, 0.0 if i < 3 else -5.0) for i, p in enumerate(pieces)], extra_ids=0)
@@ -93,6 +100,9 @@ def _t5_tokenizer(vocab_size: int | None) -> T5Tokenizer:
 def _build_components(config: dict, text_encoder_device: str | torch.device | None = None) -> dict:
     """StableDiffusion3Pipeline's components with random weights, created on the default device and dtype (the text
     encoders on `text_encoder_device` if given)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
     tok_l, tok_g = _clip_tokenizer(config["clip_l"]["vocab_size"]), _clip_tokenizer(config["clip_g"]["vocab_size"])
     tok_t5 = _t5_tokenizer(config["t5"]["vocab_size"])
 
@@ -114,6 +124,8 @@ def _build_components(config: dict, text_encoder_device: str | torch.device | No
 
 def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
     """The tiny model's directory, built (with a fixed seed) and saved on first use."""
+    from diffusers import StableDiffusion3Pipeline
+
     path = Path(cache_dir or Path(os.environ.get("CRD_CACHE", Path.home() / ".cache" / "crd")) / TINY_DIR_NAME)
     if (path / "model_index.json").exists():
         return path
@@ -169,6 +181,8 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
     loaded through the same `from_pretrained` as a real model. RANDOM_MEDIUM, SD3.5-M with random weights, is
     created directly on `device` in `dtype` ("meta" counts parameters without memory) and never saved.
     """
+    from diffusers import StableDiffusion3Pipeline
+
     if model == RANDOM_MEDIUM:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # no float32 copy; and initialising 8B weights on the CPU takes minutes
@@ -205,6 +219,8 @@ def _not_a_cut_notice(record: logging.LogRecord) -> bool:
 @contextmanager
 def _without_cut_notices():
     """Silence the pipeline's and the tokenizers' notices that a prompt is longer than a text encoder reads."""
+    from diffusers import StableDiffusion3Pipeline
+
     names = (StableDiffusion3Pipeline.__module__, "transformers.tokenization_utils_base")
     loggers = [logging.getLogger(name) for name in names]
     for logger in loggers:
@@ -267,6 +283,8 @@ def add_lora_adapters(transformer, rank: int = 32, alpha: int = 64, names=("poli
 
     LoRA tensors are float32 whatever the base dtype (fp32 master weights); everything else is frozen.
     """
+    from peft import LoraConfig
+
     with warnings.catch_warnings():  # peft warns that several adapters on one model is unusual; here it is the point
         warnings.filterwarnings("ignore", message="Already found a `peft_config`")
         for name in names:
@@ -320,6 +338,8 @@ def use_adapter(transformer, name: str | None):
     if name is not None and name not in getattr(transformer, "peft_config", {}):
         raise ValueError(f"unknown adapter {name!r}")
     if "_lora_layers" not in vars(transformer):  # collect once: walking SD3.5-M's ~4k modules takes milliseconds
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         transformer._lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
     layers = transformer._lora_layers
     saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
@@ -342,6 +362,9 @@ def ema_update_(transformer, target: str, source: str, decay: float) -> None:
 
 def export_lora(transformer, name: str, out_dir: str | Path) -> None:
     """Adapter `name` in diffusers' LoRA format (safetensors): StableDiffusion3Pipeline.load_lora_weights(out_dir)."""
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import get_peft_model_state_dict
+
     StableDiffusion3Pipeline.save_lora_weights(
         out_dir, transformer_lora_layers=get_peft_model_state_dict(transformer, adapter_name=name),
         transformer_lora_adapter_metadata=transformer.peft_config[name].to_dict(),  # rank and alpha: the LoRA scale

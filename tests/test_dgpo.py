@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
 TINY_RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data", str(DATA / "train.txt"),
             "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
-            "--num-iterations", "1", "--eval-every", "0", "--run-name", "run"]
+            "--num-iterations", "1", "--eval-every", "0", "--run-name", "run", "--max-sequence-length", "96"]
 G = 4
 
 
@@ -202,7 +202,7 @@ def test_the_loop_trains_the_window_against_the_cfg_guided_base(tiny_model_dir, 
     for group in per_group[..., 0]:
         assert sorted(group.tolist(), reverse=True) == step["grid"][:7].tolist()
     base, n = tiny_pipe.transformer, len(step["noisy"])
-    empty, empty_pooled = rollout.encode_prompts(tiny_pipe, [""] * n)
+    empty, empty_pooled = rollout.encode_prompts(tiny_pipe, [""] * n, 96)  # the run's --max-sequence-length
     with torch.no_grad():
         v_cond = base(hidden_states=step["noisy"], timestep=step["timesteps"], encoder_hidden_states=step["embeds"],
                       pooled_projections=step["pooled"], return_dict=False)[0]

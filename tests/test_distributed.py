@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
 TINY_RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data", str(DATA / "train.txt"),
             "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--eval-prompts", "4", "--eval-steps", "4",
-            "--learning-rate", "3e-3", "--group-size", "4", "--eval-every", "0", "--save-every", "1"]
+            "--learning-rate", "3e-3", "--group-size", "4", "--eval-every", "0", "--save-every", "1",
+            "--max-sequence-length", "96"]  # as tests/test_trainers.py
 TIMEOUT = 180  # seconds per run; a run takes ~10 s on 2 CPU cores
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_RUN_ID")

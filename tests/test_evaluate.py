@@ -18,9 +18,10 @@ from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
-# the trainers' validation protocol in test_trainers.py's runs: 4 prompts, 4 steps, CFG 4.5, seeds 0.., 64 pixels
+# the trainers' validation protocol in test_trainers.py's runs: 4 prompts, 4 steps, CFG 4.5, seeds 0.., 64 pixels,
+# 96 T5 tokens
 PROTOCOL = ["--eval-data", str(DATA / "test.txt"), "--num-prompts", "4", "--num-steps", "4", "--resolution", "64",
-            "--reward", "brightness", "--device", "cpu"]
+            "--max-sequence-length", "96", "--reward", "brightness", "--device", "cpu"]
 
 
 def run(tiny_model_dir, *args, check=True, background=False):
@@ -47,7 +48,8 @@ def trained(tiny_model_dir, tmp_path_factory):
     cmd = [sys.executable, "crd.py", "--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-data",
            str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"), "--resolution", "64", "--prompts-per-rank", "2",
            "--group-size", "4", "--eval-prompts", "4", "--eval-steps", "4", "--learning-rate", "3e-3", "--num-iterations",
-           "2", "--eval-every", "1", "--save-every", "1", "--output-dir", str(out), "--run-name", "run"]
+           "2", "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "96", "--output-dir", str(out),
+           "--run-name", "run"]
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}, check=True,
                    capture_output=True, timeout=600)
     return out / "run"

@@ -18,11 +18,12 @@ import rollout
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ['a sign that says "hello"', 'a poster with "CRD 2026" on it']
 H = W = 64
+T5_TOKENS = 32  # holds the prompts here (at most 30 characters, a token each in the tiny tokenizer): faster than 256
 
 
 def embed(pipe, n=2):
     """Embeddings of n images, cycling through PROMPTS."""
-    return rollout.encode_prompts(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(n)])
+    return rollout.encode_prompts(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(n)], T5_TOKENS)
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def compiling():
 @pytest.mark.parametrize("cfg", [1.0, 4.5])
 def test_sample_matches_diffusers_pipeline(tiny_pipe, cfg):
     embeds, pooled = embed(tiny_pipe, 3)
-    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe)
+    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe, T5_TOKENS)
     seeds = [11, 12, 13]
     out = rollout.sample(tiny_pipe, embeds, pooled, seeds, num_steps=6, guidance_scale=cfg, height=H, width=W)
     latents = rollout.initial_latents(seeds, (16, H // 8, W // 8), "cpu", torch.float32)
@@ -146,7 +147,7 @@ def test_initial_latents_per_seed():
 def test_predict_velocity_cfg_is_one_batch_of_unc_and_cond(tiny_pipe):
     transformer = tiny_pipe.transformer
     embeds, pooled = embed(tiny_pipe)
-    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe)
+    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe, T5_TOKENS)
     x = rollout.initial_latents([0, 1], (16, 8, 8), "cpu", torch.float32)
     t = torch.tensor([900.0, 300.0])
     v_cond = rollout.predict_velocity(transformer, x, t, embeds, pooled)
@@ -217,10 +218,19 @@ def test_a_target_beyond_the_t5_cut_is_warned_once_with_its_file_and_line(tiny_p
 
 
 def test_no_torchvision_notice_at_import():
-    """transformers' notice that its image processors fall back to PIL without torchvision (as on CI) is silenced."""
-    result = subprocess.run([sys.executable, "-c", "import rollout"], cwd=ROOT, capture_output=True, text=True,
-                            check=True)
+    """transformers' notice that its image processors fall back to PIL without torchvision (as on CI) is silenced: it
+    comes with the import of diffusers' SD3 pipeline, which rollout imports where it loads or builds one."""
+    result = subprocess.run([sys.executable, "-c", "import rollout; from diffusers import StableDiffusion3Pipeline"],
+                            cwd=ROOT, capture_output=True, text=True, check=True)
     assert "torchvision" not in result.stderr, result.stderr
+
+
+def test_entry_points_import_no_model_library():
+    """diffusers, transformers and peft take 4 s to import: the trainers and evaluate.py check their arguments, and
+    answer --help and --dry-run, without them."""
+    code = "import crd, dgpo, evaluate, sys; print(*({'diffusers', 'transformers', 'peft'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == []
 
 
 def test_negative_embeddings_cached(tiny_pipe, monkeypatch):
@@ -481,8 +491,8 @@ def test_hub_model_offline_has_clear_error(monkeypatch):
 def test_predict_velocity_transformer_calls(tiny_pipe, guidance, max_batch_size, expected):
     """The rows each transformer call gets (a CFG image takes two): as few calls as the limit allows, as equal as can
     be (no small remainder call), and the same velocities as one call."""
-    embeds, pooled = rollout.encode_prompts(tiny_pipe, ["a", "b", "c", "d", "e"])
-    negative = rollout.negative_embeddings(tiny_pipe)
+    embeds, pooled = rollout.encode_prompts(tiny_pipe, ["a", "b", "c", "d", "e"], T5_TOKENS)
+    negative = rollout.negative_embeddings(tiny_pipe, T5_TOKENS)
     latents = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     rows = []
     hook = tiny_pipe.transformer.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["hidden_states"].shape[0]),
