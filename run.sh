@@ -121,9 +121,11 @@ fi
 if (( NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
   launcher=("$PYTHON")  # one process: without torchrun, whose report of a failed rank would bury the trainer's error
 else
-  # torchrun (launch.py: with the shell's exit codes, no traceback); --shutdown-timeout: how long the ranks may take to
-  # finish their iteration and save after a signal before torchrun kills them
-  launcher=("$PYTHON" launch.py --standalone --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT" --shutdown-timeout "$STOP_TIMEOUT")
+  # torchrun (launch.py: with the shell's exit codes, no traceback); TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long the ranks
+  # may take to finish their iteration and save after a signal before torchrun kills them (torch >= 2.12 reads it, as
+  # its --shutdown-timeout; older torchruns ignore it and keep their 30 s)
+  launcher=(env TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_TIMEOUT" "$PYTHON" launch.py --standalone
+            --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 cmd=("${launcher[@]}" "${trainer[@]}")
 echo "+ ${cmd[*]}"

@@ -181,7 +181,7 @@ def test_ctrl_c_to_run_sh_stops_several_ranks_with_a_checkpoint_and_exit_130(tmp
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
-    assert f"+ {sys.executable} launch.py --standalone --nproc-per-node 2 --shutdown-timeout 600 crd.py " in stdout
+    assert f"+ env TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 {sys.executable} launch.py --standalone --nproc-per-node 2 crd.py " in stdout
     assert "launch.py: stopped by SIGINT" in stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] is False and summary["stopped_by"] == "SIGINT" and summary["world_size"] == 2
