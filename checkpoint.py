@@ -238,9 +238,9 @@ def read_adapters(checkpoint):
 
 
 def load_checkpoint(path, transformer, optimizer, device):
-    adapters = load_file(Path(path) / "adapters.safetensors")
+    adapters, _ = read_adapters(path)
     for name in ADAPTERS:
-        load_lora_state_dict(transformer, name, {k[len(name) + 1 :]: v for k, v in adapters.items() if k.startswith(name + ".")})
+        load_lora_state_dict(transformer, name, adapters[name])
     optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=device, weights_only=True))
     return read_checkpoint_state(path)
 

@@ -98,7 +98,7 @@ def run_name(algo: str, variant: str, seed: int) -> str:
 
 
 def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int], model: Path, data: Path, runs: Path,
-           max_sequence_length: int, reward: list[str], args: Args) -> subprocess.Popen:
+           max_sequence_length: int, reward: list[str], variant_args: str, args: Args) -> subprocess.Popen:
     command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), *reward,
                "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / "test.jsonl"),
                "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
@@ -107,7 +107,7 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                "--output-dir", str(runs), "--run-name", run_name(algo, variant, seed),
                "--device", "cpu" if gpu is None else "cuda",
                "--no-compile",  # a 15.5M-parameter model: compiling would take longer than it saves
-               *shlex.split(args.trainer_args), *shlex.split(dict(v.split("=", 1) for v in args.variants).get(variant, ""))]
+               *shlex.split(args.trainer_args), *shlex.split(variant_args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu)}
     print("+ " + " ".join(command), flush=True)
     with open(runs / f"{run_name(algo, variant, seed)}.log", "w") as log:  # the child keeps its own copy of the file
@@ -195,7 +195,7 @@ def main(args: Args) -> dict:
     report = {"args": asdict(args), "phases_s": {}}
 
     started = benchmark_started = time.perf_counter()
-    variants = [v.split("=", 1)[0] for v in args.variants] or [""]
+    variants = dict(v.split("=", 1) for v in args.variants) or {"": ""}  # {name: trainer arguments}
     jobs = [(algo, variant, seed) for seed in args.seeds for variant in variants for algo in args.algorithms]
     cores = sorted(os.sched_getaffinity(0))
     pool = OcrPool(args.ocr_workers or max(1, len(cores) - len(jobs))) if args.scorer == "pool" else None
@@ -218,7 +218,7 @@ def main(args: Args) -> dict:
             reward, per_job = ["--reward", "paddle"], max(1, len(cores) // len(jobs))
         processes = {job: launch(*job, i % gpus if gpus else None,
                                  cores[i * per_job % len(cores) :][:per_job], model, data, runs,
-                                 args.pretrain.max_sequence_length, reward, args)
+                                 args.pretrain.max_sequence_length, reward, variants[job[1]], args)
                      for i, job in enumerate(jobs)}
         stopped = False
         while any(p.poll() is None for p in processes.values()):
