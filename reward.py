@@ -99,12 +99,21 @@ def _score_texts(texts: list[str], targets: list[str]) -> tuple[np.ndarray, list
 
 
 class PaddleScorer:
-    """PP-OCR (det + cls + rec ONNX models shipped in the rapidocr wheel) on CPU: Flow-GRPO's original metric."""
+    """PP-OCR (det + rec ONNX models shipped in the rapidocr wheel) on CPU: Flow-GRPO's original metric.
 
-    def __init__(self):
+    Configured as Flow-GRPO's reward calls PaddleOCR (flow_grpo/ocr.py of Luo-Yihong/DGPO, lines 34-38 and 62:
+    `PaddleOCR(use_angle_cls=False, lang="en")`, `ocr(img, cls=False)`): no angle classifier, and PaddleOCR 2.x's
+    detector defaults (tools/infer/utility.py: det_limit_side_len 960, det_limit_type "max"), which leave images
+    smaller than 960 pixels at their size. RapidOCR's own defaults would run the classifier and upscale every image
+    to 736 pixels on its short side (8x the reading time of a 128-pixel image, 2x at 512).
+    threads: ONNX Runtime threads per engine (-1: every core).
+    """
+
+    def __init__(self, threads: int = -1):
         from rapidocr_onnxruntime import RapidOCR
 
-        self.engine = RapidOCR()
+        self.engine = RapidOCR(use_cls=False, det_limit_side_len=960, det_limit_type="max",
+                               intra_op_num_threads=threads, inter_op_num_threads=threads)
         self.lock = threading.Lock()  # one engine, shared by threads (the test OCR server calls it concurrently)
 
     def read(self, image: Image.Image) -> str:

@@ -114,6 +114,14 @@ def test_paddle_reading_order(paddle):
     assert paddle.read(image).split() == ["FIRST", "SECOND", "LEFT", "RIGHT"]
 
 
+def test_paddle_is_configured_as_flow_grpos_paddleocr(paddle):
+    # flow_grpo/ocr.py: PaddleOCR(use_angle_cls=False) read with cls=False; PaddleOCR 2.x's detector keeps an image
+    # under 960 pixels at its size, where RapidOCR's default would upscale a 512-pixel image to 736
+    assert paddle.engine.use_cls is False
+    image = np.asarray(centred("Coffee Shop"))
+    assert paddle.engine.text_det.get_preprocess(max(image.shape))(image).shape[-2:] == image.shape[:2]
+
+
 def test_scorer_rejects_mismatched_targets(paddle):
     with pytest.raises(ValueError, match="2 images but 1 targets"):
         paddle([centred("A"), centred("B")], ["A"])

@@ -1,10 +1,8 @@
 """PP-OCR in parallel: a pool of single-threaded RapidOCR engines, each reading as reward.PaddleScorer does, and a
 local server that gives the trainers' `--reward vllm` client those reads.
 
-reward.PaddleScorer reads one image at a time with one engine: ~0.4 s an image on a 32-core H200 host, and several
-trainers side by side, each engine using every core, slowed each other to ~1.3 s. PP-OCR upscales every image to
-736 pixels on its short side, so reading costs ~0.7 core-seconds whatever the render size; one engine per core in
-parallel is what scales.
+reward.PaddleScorer reads one image at a time with one engine spread over every core, and several trainers side by
+side, each with such an engine, slow each other down; one single-threaded engine per core in parallel is what scales.
 
     pool = OcrPool(28)                                 # fork before CUDA is used in this process
     scores, texts = pool.score(images, targets)         # reward.ocr_score of each read
@@ -30,19 +28,9 @@ from reward import PaddleScorer, ocr_score
 _scorer = None  # each worker process's engine
 
 
-class SingleThreadPaddleScorer(PaddleScorer):
-    """reward.PaddleScorer's reading order and score with an engine on one CPU thread (the pool gives parallelism)."""
-
-    def __init__(self):
-        from rapidocr_onnxruntime import RapidOCR
-
-        self.engine = RapidOCR(intra_op_num_threads=1, inter_op_num_threads=1)
-        self.lock = threading.Lock()
-
-
 def _start_worker():
     global _scorer
-    _scorer = SingleThreadPaddleScorer()
+    _scorer = PaddleScorer(threads=1)  # one engine per process: the pool gives the parallelism
 
 
 def _read(image: np.ndarray) -> str:
