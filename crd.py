@@ -142,7 +142,9 @@ class Args:
     eval_steps: int = 40
     """validation ODE steps"""
     eval_guidance: float = 4.5
-    """validation CFG scale (negative prompt "")"""
+    """validation CFG scale (negative prompt ""): the recipe's 4.5. The anchors validate their CFG-free policies at 1
+    (Flow-Factory examples/crd/lora/sd3_5/default.yaml:109; DGPO scripts/train_sd3_dgpo.py:427 with
+    config/dgpo_wocfg.py:101); 4.5 guides a policy that learned guidance a second time"""
     eval_seed: int = 0
     """image i of validation always uses seed eval_seed + i"""
     eval_judge: Literal["paddle", "brightness", "compressibility", "none"] = "paddle"

@@ -72,7 +72,8 @@ def test_pretraining_saves_a_pipeline_the_trainers_load_deterministically_and_re
     metadata = json.loads((out / "proxy.json").read_text())
     assert [e["step"] for e in metadata["history"]] == [2, 4] and metadata["stopped_by"] == "steps"
     assert metadata["words"] == {"test": 4, "validation": 4, "train": 56}
-    assert set(metadata["test_base"]) == {"words", "cfg4.5_40steps", "cfg1_10steps"}
+    assert metadata["validation"] == "cfg1_2steps"
+    assert set(metadata["test_base"]) == {"words", "cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps"}
     weights = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 

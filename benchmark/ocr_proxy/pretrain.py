@@ -7,9 +7,11 @@
 2. Trains an SD3Transformer2DModel with rectified flow on those latents (logit-normal t, 10% empty prompts so that
    CFG works), jointly with the pipeline's own CLIP-L, CLIP-G and T5 encoders (per-character tokenizers, as in
    rollout.py's tiny model): letter identity and order reach the image only through them.
-3. Every `eval_every` steps, samples the validation words at the trainers' validation protocol (CFG 4.5, 40 steps)
-   and at their rollout protocol (CFG 1, 10 steps) and scores them with PP-OCR. Training stops at the first
-   validation score >= `target`; the evaluated state closest to `target` is saved. The test words are never used.
+3. Every `eval_every` steps, samples the validation words at the benchmark's validation protocol (CFG
+   `validation_guidance`, `validation_steps` steps; by default CFG 1, 40 steps, as Flow-Factory's CRD example
+   validates), at the trainers' rollout protocol (CFG 1, 10 steps) and at the recipe's (CFG 4.5, 40 steps), and
+   scores them with PP-OCR. Training stops at the first validation score >= `target` (or at the time cap); the
+   evaluated state whose score is closest to `target` is saved. The test words are never used.
 
 The directory is a diffusers StableDiffusion3Pipeline (bf16) that crd.py and dgpo.py load with --model DIR, plus
 proxy.json (the configuration, the validation history and wall times). Same arguments, same seed: same words and
@@ -93,16 +95,19 @@ class Args:
     """linear learning-rate warm-up"""
     prompt_dropout: float = 0.1
     """fraction of images trained with the empty prompt (classifier-free guidance)"""
-    eval_every: int = 250
+    eval_every: int = 100
     """validate every N transformer steps"""
     eval_words: int = 64
     """validation words sampled at each validation"""
     target: float = 0.4
-    """stop at the first validation PP-OCR score (CFG 4.5, 40 steps) at or above this"""
+    """stop at the first validation PP-OCR score (at the validation protocol) at or above this"""
+    validation_guidance: float = 1.0
+    """CFG of the validation protocol that decides the stop (the RL runs validate at it too): 1, as Flow-Factory's
+    CRD example validates its CFG-free policy (examples/crd/lora/sd3_5/default.yaml, line 109)"""
     validation_steps: int = 40
-    """ODE steps of the CFG-4.5 validation (the trainers' --eval-steps)"""
+    """ODE steps of the validation protocol (line 110 there; the trainers' --eval-steps)"""
     rollout_steps: int = 10
-    """ODE steps of the CFG-1 validation (the trainers' --num-steps)"""
+    """ODE steps of the rollout protocol, CFG 1 (the trainers' --num-steps)"""
     time_cap_s: float = 300.0
     """stop transformer training after this many seconds whatever the score (then the result depends on speed)"""
     ocr_workers: int = 14
@@ -115,6 +120,12 @@ def config_key(args: Args) -> dict:
     for name in ("out", "device", "ocr_workers"):
         key.pop(name)
     return key
+
+
+def protocols(args: Args) -> dict[str, tuple[float, int]]:
+    """{name: (CFG scale, ODE steps)}: the validation protocol first, then the rollout's and the recipe's."""
+    named = [(args.validation_guidance, args.validation_steps), (1.0, args.rollout_steps), (4.5, args.validation_steps)]
+    return {f"cfg{g:g}_{n}steps": (g, n) for g, n in named}
 
 
 def render_batch(words: list[str], task: Task) -> torch.Tensor:
@@ -200,10 +211,9 @@ def evaluate_saved(out: Path, words: list[str], args: Args, pool: OcrPool) -> di
     def embed(prompts):
         return rollout.encode_prompts(pipe, prompts, args.max_sequence_length)
 
-    guided, _ = sample_and_score(pipe, embed, words, args.validation_steps, 4.5, args.task.resolution, pool, autocast)
-    rollout_score, _ = sample_and_score(pipe, embed, words, args.rollout_steps, 1.0, args.task.resolution, pool,
-                                        autocast)
-    return {"words": len(words), "cfg4.5_40steps": guided, "cfg1_10steps": rollout_score}
+    return {"words": len(words), **{name: sample_and_score(pipe, embed, words, n, g, args.task.resolution, pool,
+                                                           autocast)[0]
+                                    for name, (g, n) in protocols(args).items()}}
 
 
 def save_pipeline(components: dict, out: Path, metadata: dict) -> None:
@@ -275,16 +285,16 @@ def pretrain(args: Args) -> Path:
         for module in (transformer, *encoders):
             module.eval()
         val = words["validation"][: args.eval_words]
-        guided, _ = sample_and_score(pipe, embed, val, args.validation_steps, 4.5, args.task.resolution, pool, autocast)
-        rollout_score, _ = sample_and_score(pipe, embed, val, args.rollout_steps, 1.0, args.task.resolution, pool,
-                                            autocast)
+        entry = {"step": step, **{name: sample_and_score(pipe, embed, val, n, g, args.task.resolution, pool,
+                                                          autocast)[0]
+                                  for name, (g, n) in protocols(args).items()}, "train_s": train_s}
         for module in (transformer, *encoders):
             module.train()
-        entry = {"step": step, "cfg4.5_40steps": guided, "cfg1_10steps": rollout_score, "train_s": train_s}
-        print(f"pretrain: step {step}: validation PP-OCR {guided:.3f} (CFG 4.5, 40 steps), "
-              f"{rollout_score:.3f} (CFG 1, 10 steps), {entry['train_s']:.0f} s of training", flush=True)
+        print(f"pretrain: step {step}: validation PP-OCR " + ", ".join(f"{entry[k]:.3f} ({k})" for k in protocols(args))
+              + f", {entry['train_s']:.0f} s of training", flush=True)
         return entry
 
+    validation = next(iter(protocols(args)))  # the protocol that decides the stop
     history, best, eval_s, loss_sum, stop = [], None, [0.0], 0.0, "steps"
     for step in range(1, args.steps + 1):
         for group, base_lr in zip(optimizer.param_groups, base_lrs):
@@ -311,11 +321,11 @@ def pretrain(args: Args) -> Path:
             entry = {**evaluate(step), "loss": float(loss_sum) / args.eval_every}
             loss_sum = 0.0
             history.append(entry)
-            if best is None or abs(entry["cfg4.5_40steps"] - args.target) < abs(best[0]["cfg4.5_40steps"] - args.target):
+            if best is None or abs(entry[validation] - args.target) < abs(best[0][validation] - args.target):
                 best = (entry, {name: {k: v.detach().cpu().clone() for k, v in modules[name].state_dict().items()}
                                 for name in ("transformer", *ENCODERS)})
             eval_s[0] += time.perf_counter() - eval_timer
-            if entry["cfg4.5_40steps"] >= args.target:
+            if entry[validation] >= args.target:
                 stop = "target"
                 break
             if entry["train_s"] >= args.time_cap_s:
@@ -330,7 +340,7 @@ def pretrain(args: Args) -> Path:
         module.eval().requires_grad_(False)
     times["total_s"] = time.perf_counter() - started
     metadata = {"config": key, "model_config": MODEL_CONFIGS[args.model], "stopped_by": stop,
-                "chosen": chosen, "history": history, "vae_mse": vae_mse, "times": times,
+                "validation": validation, "chosen": chosen, "history": history, "vae_mse": vae_mse, "times": times,
                 "parameters": {k: sum(p.numel() for p in m.parameters()) for k, m in modules.items()},
                 "words": {k: len(v) for k, v in words.items()}}
     save_pipeline(components, out, metadata)
@@ -340,7 +350,7 @@ def pretrain(args: Args) -> Path:
     (out / ".proxy.json.tmp").write_text(json.dumps(metadata, indent=1))
     (out / ".proxy.json.tmp").replace(out / "proxy.json")
     print(f"pretrain: held-out test PP-OCR of the saved model: {metadata['test_base']}", flush=True)
-    print(f"pretrain: saved {out} (step {chosen['step']}, validation {chosen['cfg4.5_40steps']:.3f}; stopped by "
+    print(f"pretrain: saved {out} (step {chosen['step']}, validation {chosen[validation]:.3f} ({validation}); stopped by "
           f"{stop}; {times['total_s']:.0f} s in all)", flush=True)
     return out
 

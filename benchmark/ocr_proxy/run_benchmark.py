@@ -1,7 +1,7 @@
 """The OCR proxy benchmark in one command: pretrain (or reuse) the base model, then crd.py and dgpo.py on it with the
 PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables and validation grids.
 
-    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy --seeds 0 1 --iterations 60
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 150 iterations
 
 The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it; none:
 the CPU, slowly). `--variants` sweeps trainer settings, `--final-guidances` scores the final checkpoints at more CFG
@@ -12,11 +12,17 @@ Both algorithms get the same prompts, seeds, iterations, images per iteration an
 script differs. Outputs in --out:
     data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
     runs/{algo}[_{variant}]_seed{S}/   the trainers' run directories (TensorBoard events, summary.json)
-    curves.png                   held-out PP-OCR (CFG 4.5, 40 steps) and rollout reward against iteration
+    curves.png                   held-out PP-OCR (at the validation protocol) and rollout reward against iteration
     compare_[{variant}_]seed{S}.md     `bash run.sh compare` of the algorithms' runs
     grid_{run}_{first,last}_iteration{N}.png   the validation grids at the first and last validation
     benchmark.json               base scores, per-run results, the base's and each run's last checkpoint's held-out
-                                 PP-OCR at both protocols (pool scorer), and the wall time of each phase
+                                 PP-OCR at every protocol (pool scorer), and the wall time of each phase
+
+The held-out validation uses the pretraining's validation protocol (`--pretrain.validation-guidance`, default CFG 1,
+and `--pretrain.validation-steps`, 40): the policy is trained to sample without guidance (CFG-1 rollouts, a KL anchor
+to the guided base), and Flow-Factory's CRD example validates it so (examples/crd/lora/sd3_5/default.yaml, lines
+109-110; official DGPO's wocfg configs validate at their sampling CFG of 1 too). The trainers' own default is the
+recipe's CFG 4.5, which guides such a policy a second time; the final scores include it.
 """
 
 from __future__ import annotations
@@ -57,13 +63,13 @@ class Args:
     """output directory"""
     pretrain: pretrain.Args = field(default_factory=lambda: pretrain.Args(out="~/.cache/crd/ocr-proxy"))
     """pretraining (its --pretrain.out is the model cache: reused when its configuration matches)"""
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """RL seeds; each seed runs every algorithm (and variant)"""
-    iterations: int = 60
+    iterations: int = 150
     """RL iterations of every run"""
     eval_every: int = 10
     """held-out validation every N iterations (and before training)"""
-    eval_prompts: int = 64
+    eval_prompts: int = 128
     """held-out test words validated"""
     time_limit_s: float = 0.0
     """if > 0: the whole benchmark's wall-time budget; runs still training then get SIGTERM (each finishes its
@@ -81,8 +87,8 @@ class Args:
     """a sweep: each NAME=ARGS runs every algorithm and seed with ARGS after --trainer-args, as runs
     {algo}_{NAME}_seed{S}, e.g. '--variants default= lr1e-4=--learning-rate 1e-4'; none: runs {algo}_seed{S}"""
     final_guidances: list[float] = field(default_factory=list)
-    """CFG scales (40 steps) at which the base and each run's last checkpoint are also scored after training, beside
-    the trainers' validation (CFG 4.5, 40 steps) and rollout (CFG 1, 10 steps) protocols"""
+    """CFG scales at which the base and each run's last checkpoint are also scored after training (at the validation
+    protocol's steps), beside the validation, rollout (CFG 1, 10 steps) and recipe (CFG 4.5, 40 steps) protocols"""
 
 
 def gpu_count() -> int:
@@ -103,7 +109,9 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / "test.jsonl"),
                "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
                "--num-iterations", str(args.iterations), "--eval-every", str(args.eval_every),
-               "--eval-prompts", str(args.eval_prompts), "--save-every", str(args.iterations), "--seed", str(seed),
+               "--eval-prompts", str(args.eval_prompts), "--eval-guidance", str(args.pretrain.validation_guidance),
+               "--eval-steps", str(args.pretrain.validation_steps), "--save-every", str(args.iterations),
+               "--seed", str(seed),
                "--output-dir", str(runs), "--run-name", run_name(algo, variant, seed),
                "--device", "cpu" if gpu is None else "cuda",
                "--no-compile",  # a 15.5M-parameter model: compiling would take longer than it saves
@@ -116,10 +124,9 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
 
 
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
-                 resolution: int, guidances: list[float]) -> dict:
-    """Held-out PP-OCR at both protocols (CFG 4.5 / 40 steps, CFG 1 / 10 steps) and at `guidances` (40 steps) of the
-    base model and of each run's last checkpoint, with the adapter the trainers validate and roll out with
-    ("sampling")."""
+                 resolution: int, protocols: dict[str, tuple[float, int]]) -> dict:
+    """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}) of the base model and of each run's last
+    checkpoint, with the adapter the trainers validate and roll out with ("sampling")."""
     cuda = torch.cuda.is_available()
     pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
@@ -129,8 +136,8 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
 
     def both(adapter):
         with rollout.use_adapter(pipe.transformer, adapter):
-            return {f"cfg{g}_{n}steps": pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
-                    for g, n in ((4.5, 40), (1, 10), *((g, 40) for g in guidances if g != 4.5))}
+            return {name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
+                    for name, (g, n) in protocols.items()}
 
     scores = {"base": both(None)}
     for index, (name, run_dir) in enumerate(runs.items()):
@@ -161,7 +168,7 @@ def save_grids(run_dir: Path, out: Path, name: str) -> list[str]:
     return written
 
 
-def plot_curves(curves: dict, path: Path, title: str) -> None:
+def plot_curves(curves: dict, path: Path, title: str, validation: str) -> None:
     """Held-out PP-OCR and rollout reward against iteration: each seed thin, the mean over seeds thick."""
     import matplotlib
 
@@ -169,7 +176,7 @@ def plot_curves(curves: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, tag, label in ((axes[0], "eval/reward_mean", "held-out PP-OCR (CFG 4.5, 40 steps)"),
+    for ax, tag, label in ((axes[0], "eval/reward_mean", f"held-out PP-OCR ({validation})"),
                            (axes[1], "train/reward_mean", "rollout PP-OCR (training words, CFG 1, 10 steps)")):
         for (name, seeds), color in zip(curves.items(), plt.get_cmap("tab10").colors):
             runs = [dict(c[tag]) for c in seeds.values() if c[tag]]
@@ -232,10 +239,13 @@ def main(args: Args) -> dict:
     report["phases_s"]["rl"] = time.perf_counter() - started
     if pool:
         started = time.perf_counter()
+        protocols = {**pretrain.protocols(args.pretrain),
+                     **{f"cfg{g:g}_{args.pretrain.validation_steps}steps": (g, args.pretrain.validation_steps)
+                        for g in args.final_guidances}}
         report["final_scores"] = final_scores(model, {run_name(*job): runs / run_name(*job) for job in jobs},
                                               words["test"][: args.eval_prompts], pool,
                                               args.pretrain.max_sequence_length, args.pretrain.task.resolution,
-                                              args.final_guidances)
+                                              protocols)
         report["phases_s"]["final_scores"] = time.perf_counter() - started
         pool.close()
         print(f"run_benchmark: held-out PP-OCR of the base and each run's last checkpoint: {report['final_scores']}")
@@ -258,7 +268,8 @@ def main(args: Args) -> dict:
                                    capture_output=True, text=True, check=False)
             (out / f"compare_{run_name('', variant, seed).lstrip('_')}.md").write_text(table.stdout + table.stderr)
     plot_curves(curves, out / "curves.png", f"OCR proxy: {len(args.seeds)} seed(s), {args.iterations} iterations, "
-                f"4 prompts x 6 images, PP-OCR reward; base validation {proxy['chosen']['cfg4.5_40steps']:.2f}")
+                f"4 prompts x 6 images, PP-OCR reward; base validation {proxy['chosen'][proxy['validation']]:.2f}",
+                proxy["validation"])
     report["phases_s"]["report"] = time.perf_counter() - started
     (out / "benchmark.json").write_text(json.dumps(report, indent=1))
     for name, run in report["runs"].items():
