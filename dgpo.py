@@ -39,9 +39,9 @@ from checkpoint import (GracefulStop, RunError, actor_peak_memory, load_checkpoi
                         save_last_iteration, write_summary)
 from data import DataError, GroupSampler, load_prompts
 from reward import SCORERS, GuardedScorer, make_scorer
-from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder, ema_update_,
-                     encode_prompts, load_pipeline, lora_parameters, negative_embeddings, predict_velocity, sample,
-                     use_adapter, warn_cut_targets)
+from rollout import (CompileCache, add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
+                     ema_update_, encode_prompts, load_pipeline, lora_parameters, negative_embeddings,
+                     predict_velocity, sample, use_adapter, warn_cut_targets)
 
 
 @dataclass
@@ -362,7 +362,8 @@ if __name__ == "__main__":
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if args.compile and device.type == "cuda":
+    compile_cache = CompileCache(args.model, device, enabled=args.compile and device.type == "cuda")
+    if compile_cache.enabled:
         compile_blocks(transformer)
         compile_decoder(pipe.vae)
     params = lora_parameters(transformer, "policy")
@@ -548,6 +549,8 @@ if __name__ == "__main__":
             break
         if main_process and ((iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations):
             save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)
+        if main_process:
+            compile_cache.save()  # once, after this start's first iteration: every graph has compiled by then
 
     if main_process and stopped_by and state["iteration"]:  # a stop keeps the last completed iteration
         save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)

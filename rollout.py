@@ -277,17 +277,22 @@ def negative_embeddings(pipe, max_sequence_length: int = 256) -> tuple[torch.Ten
 # ---- LoRA adapters ---------------------------------------------------------------------------------------------------
 
 
+SLOT = "in_use"  # the one adapter peft's layers run: use_adapter points its tensors at a named adapter's
+
+
 def add_lora_adapters(transformer, rank: int = 32, alpha: int = 64, names=("policy", "old", "sampling"),
                       targets=LORA_TARGETS) -> None:
     """One gaussian-init LoRA (A random, B zero) per name, all equal to names[0]: the active and only trainable one.
 
     LoRA tensors are float32 whatever the base dtype (fp32 master weights); everything else is frozen.
+    peft's layers always run the adapter SLOT, whose tensors are a named adapter's (see use_adapter).
     """
     from peft import LoraConfig
 
     with warnings.catch_warnings():  # peft warns that several adapters on one model is unusual; here it is the point
         warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-        for name in names:
+        slot = [] if SLOT in getattr(transformer, "peft_config", {}) else [SLOT]  # once per model
+        for name in (*names, *slot):
             config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
             transformer.add_adapter(config, adapter_name=name)
     vars(transformer).pop("_lora_layers", None)  # new layers: drop use_adapter's cached list
@@ -296,16 +301,19 @@ def add_lora_adapters(transformer, rank: int = 32, alpha: int = 64, names=("poli
             p.data = p.data.float()
     for name in names[1:]:
         load_lora_state_dict(transformer, name, lora_state_dict(transformer, names[0]))
-    transformer.set_adapter(names[0])
-    transformer.requires_grad_(False)  # set_adapter marks the active adapter trainable; decide it explicitly
+    transformer.requires_grad_(False)
     for p in lora_parameters(transformer, names[0]):
         p.requires_grad_(True)
+    for layer in _lora_layers(transformer):
+        layer._active_adapter = [SLOT]
+        _point_slot_at(layer, names[0])
 
 
 def _named_lora_parameters(transformer, name: str) -> list[tuple[str, torch.nn.Parameter]]:
     """(key without the adapter name, parameter) of adapter `name`, in module order; keys as in peft's state dicts."""
     pattern = re.compile(rf"\.(lora_[AB])\.{re.escape(name)}\.")
-    return [(pattern.sub(r".\1.", k), p) for k, p in transformer.named_parameters() if pattern.search(k)]
+    named = transformer.named_parameters(remove_duplicate=False)  # the slot's tensors are also another adapter's
+    return [(pattern.sub(r".\1.", k), p) for k, p in named if pattern.search(k)]
 
 
 def lora_parameters(transformer, name: str = "policy") -> list[torch.nn.Parameter]:
@@ -328,30 +336,43 @@ def load_lora_state_dict(transformer, name: str, state: dict[str, torch.Tensor])
         p.copy_(state[k])
 
 
-@contextmanager
-def use_adapter(transformer, name: str | None):
-    """Run with adapter `name` as the only active one, or with all adapters disabled (the base model) for None.
-
-    peft's set_adapter() and enable_adapters() also rewrite requires_grad, which would freeze or unfreeze the policy
-    mid-step, so this sets the two flags that LoRA layers read in forward directly and leaves requires_grad alone.
-    """
-    if name is not None and name not in getattr(transformer, "peft_config", {}):
-        raise ValueError(f"unknown adapter {name!r}")
+def _lora_layers(transformer) -> list:
     if "_lora_layers" not in vars(transformer):  # collect once: walking SD3.5-M's ~4k modules takes milliseconds
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         transformer._lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
-    layers = transformer._lora_layers
-    saved = [(layer._active_adapter, layer._disable_adapters) for layer in layers]
+    return transformer._lora_layers
+
+
+def _point_slot_at(layer, name: str) -> None:
+    layer.lora_A[SLOT].weight, layer.lora_B[SLOT].weight = layer.lora_A[name].weight, layer.lora_B[name].weight
+    layer.scaling[SLOT] = layer.scaling[name]
+
+
+@contextmanager
+def use_adapter(transformer, name: str | None):
+    """Run with adapter `name`, or with all adapters disabled (the base model) for None.
+
+    The LoRA layers always run the adapter SLOT, whose tensors are pointed at adapter `name`'s: torch.compile's graphs
+    guard on the name of peft's active adapter (one graph per adapter and block kind, minutes of compiling each), not
+    on which tensors it holds. peft's set_adapter() would also rewrite requires_grad, freezing or unfreezing the policy
+    mid-step; requires_grad is left alone.
+    """
+    if name is not None and (name == SLOT or name not in getattr(transformer, "peft_config", {})):
+        raise ValueError(f"unknown adapter {name!r}")
+    layers = _lora_layers(transformer)
+    saved = [(layer._disable_adapters, layer.lora_A[SLOT].weight, layer.lora_B[SLOT].weight, layer.scaling[SLOT])
+             for layer in layers]
     for layer in layers:
         layer._disable_adapters = name is None
         if name is not None:
-            layer._active_adapter = [name]
+            _point_slot_at(layer, name)
     try:
         yield
     finally:
-        for layer, (active, disabled) in zip(layers, saved):
-            layer._active_adapter, layer._disable_adapters = active, disabled
+        for layer, (disabled, a, b, scaling) in zip(layers, saved):
+            layer._disable_adapters = disabled
+            layer.lora_A[SLOT].weight, layer.lora_B[SLOT].weight, layer.scaling[SLOT] = a, b, scaling
 
 
 @torch.no_grad()
@@ -375,8 +396,9 @@ def compile_blocks(transformer) -> None:
     """Regional torch.compile: each transformer block is compiled, the embeddings and output layer stay eager.
 
     The blocks share their code, so a few graphs serve all 24 of SD3.5-M's: one per block kind (dual attention,
-    plain, last), adapter setting (peft's LoRA layers branch on the active adapter's name) and grad mode; the batch
-    size is dynamic. Compiling takes minutes, paid in the first iteration and the first validation.
+    plain, last), adapter setting (a named adapter or none: use_adapter keeps peft's active adapter name fixed) and
+    grad mode; the batch size is dynamic. Compiling takes minutes, paid in the first iteration and the first
+    validation, unless a CompileCache holds them.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in transformer.transformer_blocks:
@@ -386,6 +408,45 @@ def compile_blocks(transformer) -> None:
 def compile_decoder(vae) -> None:
     """torch.compile the VAE decoder: its group norms and activations over full-resolution maps are memory-bound eagerly."""
     vae.decoder.compile()
+
+
+class CompileCache:
+    """torch.compile's work (inductor kernels, AOTAutograd graphs, autotuning) kept in one file across runs.
+
+    Loaded before anything compiles, so that a resume or the next run on the same GPU kind and torch version skips
+    most of the minutes of compiling; saved once, after the first iteration (every graph has compiled by then). The
+    file is $CRD_CACHE/compile/<torch version>-<GPU>-<model>.bin: delete it to measure a cold start.
+    """
+
+    def __init__(self, model: str, device: torch.device, enabled: bool):
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        name = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{torch.__version__}-{gpu}-{Path(model).name}")
+        self.path = Path(os.environ.get("CRD_CACHE", Path.home() / ".cache" / "crd")) / "compile" / f"{name}.bin"
+        self.enabled, self.saved = enabled, False
+        if enabled and self.path.is_file():  # a damaged or foreign file costs a cold start, not the run
+            torch_log = logging.getLogger("torch.compiler._cache")  # it would log the unpickling traceback
+            level, reason = torch_log.level, "not a torch.compile cache of this torch version"
+            torch_log.setLevel(logging.ERROR)
+            try:
+                loaded = torch.compiler.load_cache_artifacts(self.path.read_bytes())
+            except Exception as e:
+                loaded, reason = None, f"{type(e).__name__}: {e}"
+            finally:
+                torch_log.setLevel(level)
+            if loaded is None:
+                print(f"compile cache {self.path} not loaded ({reason}); compiling from scratch", flush=True)
+
+    def save(self) -> None:
+        """Write the artifacts of this process's compiles (those loaded included) once, atomically."""
+        if not self.enabled or self.saved:
+            return
+        self.saved = True
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            partial.write_bytes(artifacts[0])
+            partial.replace(self.path)
 
 
 # ---- sampling --------------------------------------------------------------------------------------------------------

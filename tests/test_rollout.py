@@ -1,6 +1,7 @@
 """rollout.py on the tiny random SD3 (CPU, fp32): sampler vs diffusers, seeds, text encoding, LoRA adapters, loading."""
 
 import logging
+import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -304,15 +305,20 @@ def test_gradients_reach_only_the_policy(lora_pipe):
 
 def test_compiled_blocks_match_eager_for_every_adapter_and_the_gradient(lora_pipe):
     """compile_blocks: the same velocities under every adapter setting and batch size, the same policy gradient,
-    also with gradient checkpointing (which recomputes the compiled blocks in the backward)."""
+    also with gradient checkpointing (which recomputes the compiled blocks in the backward). The old adapter runs
+    the sampling adapter's graphs: use_adapter keeps the adapter name that peft's layers branch on fixed."""
     transformer = lora_pipe.transformer
     for seed, name in enumerate(("policy", "old", "sampling")):
         perturb(transformer, name, seed)
     x3 = rollout.initial_latents([5, 6, 7], (16, H // 8, W // 8), "cpu", torch.float32)
+    graphs = {}
 
     def outputs():
         with torch.no_grad():
-            out = {name: velocity(lora_pipe, name) for name in ("policy", "old", "sampling", None)}
+            out = {}
+            for name in ("sampling", "old", "policy", None):
+                out[name] = velocity(lora_pipe, name)
+                graphs[name] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             with rollout.use_adapter(transformer, "old"):
                 out["old, 3 images"] = rollout.predict_velocity(transformer, x3, 300.0, *embed(lora_pipe, 3))
         params = rollout.lora_parameters(transformer, "policy")
@@ -324,11 +330,39 @@ def test_compiled_blocks_match_eager_for_every_adapter_and_the_gradient(lora_pip
     with compiling():
         rollout.compile_blocks(transformer)
         compiled = outputs()
+        assert graphs["old"] == graphs["sampling"]  # nothing new compiled for a second adapter
         transformer.enable_gradient_checkpointing()
         checkpointed = outputs()["gradient"]
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
     torch.testing.assert_close(checkpointed, eager["gradient"], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_cache_carries_compiled_kernels_to_a_fresh_process(tmp_path, monkeypatch, capsys):
+    """CompileCache: a run saves what it compiled; the next process, with an empty inductor cache (another machine),
+    loads it and finds its graph there instead of compiling it; a damaged file costs one line and a cold start."""
+    monkeypatch.setenv("CRD_CACHE", str(tmp_path / "crd"))
+    gelu = "torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)(torch.ones(8, 8))"
+    try:
+        cache = rollout.CompileCache("tiny", torch.device("cpu"), enabled=True)
+        eval(gelu)
+        cache.save()
+    finally:
+        torch._dynamo.reset()
+    script = (f"import torch, rollout\ncache = rollout.CompileCache('tiny', torch.device('cpu'), enabled=True)\n{gelu}\n"
+              "counts = torch._dynamo.utils.counters['inductor']\n"
+              "print('graphs found, compiled:', counts['fxgraph_cache_hit'], counts['fxgraph_cache_miss'])\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    fresh = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert fresh.stdout.splitlines() == ["graphs found, compiled: 1 0"], fresh.stderr[-2000:]
+
+    cache.path.write_bytes(b"not a cache")
+    capsys.readouterr()
+    rollout.CompileCache("tiny", torch.device("cpu"), enabled=True)
+    damaged = capsys.readouterr()
+    assert damaged.out.splitlines() == [f"compile cache {cache.path} not loaded (not a torch.compile cache of this "
+                                        "torch version); compiling from scratch"]
+    assert "Traceback" not in damaged.err
 
 
 def test_compiled_decoder_decodes_like_eager(tiny_model_dir):
