@@ -22,7 +22,7 @@ import shutil
 import string
 import tempfile
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -443,10 +443,15 @@ class CompileCache:
         self.saved = True
         artifacts = torch.compiler.save_cache_artifacts()
         if artifacts:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            partial.write_bytes(artifacts[0])
-            partial.replace(self.path)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_bytes(artifacts[0])
+                partial.replace(self.path)
+            except OSError as e:  # a full or read-only disk costs the next start its cache, not this run
+                with suppress(OSError):
+                    partial.unlink()
+                print(f"compile cache not saved to {self.path} ({e.strerror or e})", flush=True)
 
 
 # ---- sampling --------------------------------------------------------------------------------------------------------

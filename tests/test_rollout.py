@@ -364,6 +364,11 @@ def test_compile_cache_carries_compiled_kernels_to_a_fresh_process(tmp_path, mon
                                         "torch version); compiling from scratch"]
     assert "Traceback" not in damaged.err
 
+    monkeypatch.setenv("CRD_CACHE", str(cache.path))  # a file where the cache directory would be
+    blocked = rollout.CompileCache("tiny", torch.device("cpu"), enabled=True)
+    blocked.save()
+    assert capsys.readouterr().out.splitlines() == [f"compile cache not saved to {blocked.path} (Not a directory)"]
+
 
 def test_compiled_decoder_decodes_like_eager(tiny_model_dir):
     """compile_decoder: the VAE decoder gives the eager images, for a full and a last, smaller chunk of decode_latents."""
