@@ -134,12 +134,12 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
     def embed(prompts):
         return rollout.encode_prompts(pipe, prompts, max_sequence_length)
 
-    def both(adapter):
+    def at_every_protocol(adapter):
         with rollout.use_adapter(pipe.transformer, adapter):
             return {name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
                     for name, (g, n) in protocols.items()}
 
-    scores = {"base": both(None)}
+    scores = {"base": at_every_protocol(None)}
     for index, (name, run_dir) in enumerate(runs.items()):
         adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
         checkpoints = checkpoint.checkpoints(run_dir)
@@ -147,7 +147,7 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
             adapters, trained = checkpoint.read_adapters(checkpoints[-1])
             rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["sampling"])
-            scores[name] = {"checkpoint": checkpoints[-1].name, **both(adapter)}
+            scores[name] = {"checkpoint": checkpoints[-1].name, **at_every_protocol(adapter)}
     return scores
 
 
