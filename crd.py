@@ -544,9 +544,9 @@ if __name__ == "__main__":
             writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iteration + 1)
         if stopped_by:
             break
-        if main_process and ((iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations):
-            save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)
         if main_process:
+            if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
+                save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)
             compile_cache.save()  # once, after this start's first iteration: every graph has compiled by then
 
     if main_process and stopped_by and state["iteration"]:  # a stop keeps the last completed iteration

@@ -122,11 +122,16 @@ def _build_components(config: dict, text_encoder_device: str | torch.device | No
                 tokenizer=tok_l, tokenizer_2=tok_g, tokenizer_3=tok_t5)
 
 
+def cache_root() -> Path:
+    """$CRD_CACHE, by default ~/.cache/crd: the tiny model and the compile cache."""
+    return Path(os.environ.get("CRD_CACHE", Path.home() / ".cache" / "crd"))
+
+
 def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
     """The tiny model's directory, built (with a fixed seed) and saved on first use."""
     from diffusers import StableDiffusion3Pipeline
 
-    path = Path(cache_dir or Path(os.environ.get("CRD_CACHE", Path.home() / ".cache" / "crd")) / TINY_DIR_NAME)
+    path = Path(cache_dir or cache_root() / TINY_DIR_NAME)
     if (path / "model_index.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -421,7 +426,7 @@ class CompileCache:
     def __init__(self, model: str, device: torch.device, enabled: bool):
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         name = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{torch.__version__}-{gpu}-{Path(model).name}")
-        self.path = Path(os.environ.get("CRD_CACHE", Path.home() / ".cache" / "crd")) / "compile" / f"{name}.bin"
+        self.path = cache_root() / "compile" / f"{name}.bin"
         self.enabled, self.saved = enabled, False
         if enabled and self.path.is_file():  # a damaged or foreign file costs a cold start, not the run
             torch_log = logging.getLogger("torch.compiler._cache")  # it would log the unpickling traceback
