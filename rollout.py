@@ -359,9 +359,10 @@ def use_adapter(transformer, name: str | None):
     """Run with adapter `name`, or with all adapters disabled (the base model) for None.
 
     The LoRA layers always run the adapter SLOT, whose tensors are pointed at adapter `name`'s: torch.compile's graphs
-    guard on the name of peft's active adapter (one graph per adapter and block kind, minutes of compiling each), not
+    guard on the name of peft's active adapter (one graph per adapter and block kind, a minute of compiling each), not
     on which tensors it holds. peft's set_adapter() would also rewrite requires_grad, freezing or unfreezing the policy
-    mid-step; requires_grad is left alone.
+    mid-step; requires_grad is left alone. (The base model could run the adapters' graphs through an adapter with
+    B = 0, 3 graphs fewer; measured on SD3.5-M, that LoRA work made a training iteration 5 % slower.)
     """
     if name is not None and (name == SLOT or name not in getattr(transformer, "peft_config", {})):
         raise ValueError(f"unknown adapter {name!r}")
@@ -408,6 +409,17 @@ def compile_blocks(transformer) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in transformer.transformer_blocks:
         block.compile(dynamic=True)
+    for layer in (transformer.pos_embed, transformer.context_embedder):  # they make the first block's inputs
+        layer.register_forward_hook(_like_a_block_output)
+
+
+def _like_a_block_output(module, args, output):
+    """The first block's inputs as every later block gets its own, so that it runs their graph: not a view (the
+    context embedder's linear returns one, and dynamo guards on its base) and, in grad mode, requiring grad (the
+    backward through the first block's inputs is a small cost beside a separate graph's minute of compiling)."""
+    if output._base is not None:
+        output = output.clone()
+    return output.requires_grad_() if torch.is_grad_enabled() and not output.requires_grad else output
 
 
 def compile_decoder(vae) -> None:

@@ -265,9 +265,12 @@ def test_adapters_layout_and_trainability(lora_pipe):
         assert all(torch.equal(other[k], policy[k]) for k in policy)
 
 
-def test_fresh_adapters_equal_base(lora_pipe):
+def test_fresh_adapters_equal_base(lora_pipe, tiny_pipe):
     base = velocity(lora_pipe, None)
-    for name in ["policy", "old", "sampling"]:
+    torch.testing.assert_close(base, active_velocity(tiny_pipe), atol=0, rtol=0)  # the model without any LoRA
+    perturb(lora_pipe.transformer, "policy")
+    torch.testing.assert_close(velocity(lora_pipe, None), base, atol=0, rtol=0)
+    for name in ["old", "sampling"]:
         torch.testing.assert_close(velocity(lora_pipe, name), base, atol=0, rtol=0)
 
 
@@ -303,38 +306,50 @@ def test_gradients_reach_only_the_policy(lora_pipe):
     assert all(p.grad is None for n, p in transformer.named_parameters() if ".policy." not in n)
 
 
-def test_compiled_blocks_match_eager_for_every_adapter_and_the_gradient(lora_pipe):
-    """compile_blocks: the same velocities under every adapter setting and batch size, the same policy gradient,
-    also with gradient checkpointing (which recomputes the compiled blocks in the backward). The old adapter runs
-    the sampling adapter's graphs: use_adapter keeps the adapter name that peft's layers branch on fixed."""
-    transformer = lora_pipe.transformer
+def test_compiled_blocks_match_eager_with_one_graph_per_block_kind_and_grad_mode():
+    """compile_blocks: the same velocities under every adapter, the base model and any batch size, the same policy
+    gradient, also with gradient checkpointing (which recomputes the compiled blocks in the backward). SD3.5-M's blocks
+    come in three kinds (dual attention, plain, last; here dual, dual, last): the adapters' no-grad passes (any batch
+    size) share one graph per kind, the base model's get one more per kind, the policy's grad-mode pass one more per
+    kind, the first block included, although its inputs come from eager layers (a view; no grad). use_adapter keeps
+    what peft's layers branch and dynamo guards on fixed."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    config = {**rollout.TINY_CONFIG["transformer"], "num_layers": 3, "dual_attention_layers": (0, 1)}
+    transformer = SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16, **config)
+    rollout.add_lora_adapters(transformer, rank=4, alpha=8)
     for seed, name in enumerate(("policy", "old", "sampling")):
         perturb(transformer, name, seed)
-    x3 = rollout.initial_latents([5, 6, 7], (16, H // 8, W // 8), "cpu", torch.float32)
-    graphs = {}
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: (torch.randn(n, 16, 8, 8, generator=gen), torch.randn(n, 20, 32, generator=gen),
+                  torch.randn(n, 32, generator=gen)) for n in (2, 3)}
+    graphs = []
 
     def outputs():
+        out = {}
         with torch.no_grad():
-            out = {}
-            for name in ("sampling", "old", "policy", None):
-                out[name] = velocity(lora_pipe, name)
-                graphs[name] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            with rollout.use_adapter(transformer, "old"):
-                out["old, 3 images"] = rollout.predict_velocity(transformer, x3, 300.0, *embed(lora_pipe, 3))
-        params = rollout.lora_parameters(transformer, "policy")
-        grads = torch.autograd.grad(velocity(lora_pipe, "policy").square().mean(), params, allow_unused=True)
+            for name, n in (("sampling", 2), (None, 2), ("old", 2), ("sampling", 3), (None, 3)):
+                with rollout.use_adapter(transformer, name):
+                    out[name, n] = rollout.predict_velocity(transformer, inputs[n][0], 500.0, *inputs[n][1:])
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        with rollout.use_adapter(transformer, "policy"):
+            loss = rollout.predict_velocity(transformer, inputs[3][0], 500.0, *inputs[3][1:]).square().mean()
+            grads = torch.autograd.grad(loss, rollout.lora_parameters(transformer, "policy"), allow_unused=True)
         out["gradient"] = torch.cat([g.flatten() for g in grads if g is not None])
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         return out
 
     eager = outputs()
     with compiling():
         rollout.compile_blocks(transformer)
+        start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled = outputs()
-        assert graphs["old"] == graphs["sampling"]  # nothing new compiled for a second adapter
+        assert (graphs[-2] - start, graphs[-1] - start) == (4, 6)  # (adapters, base) x (dual, last); grad: dual, last
         transformer.enable_gradient_checkpointing()
         checkpointed = outputs()["gradient"]
     for key in eager:
-        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5, msg=str(key))
     torch.testing.assert_close(checkpointed, eager["gradient"], rtol=1e-4, atol=1e-5)
 
 
