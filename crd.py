@@ -227,6 +227,15 @@ def update_snapshots(transformer, args, event, iterations, steps):
     return decays
 
 
+def check_schedules(args):
+    """An EMA schedule whose decay could leave [0, 1] is named before anything loads."""
+    for flag in ("old_decay", "sampling_decay"):
+        start, initial, slope, maximum = getattr(args, flag)
+        if slope < 0 or not (0 <= initial <= 1 and 0 <= maximum <= 1):
+            fail(f"--{flag.replace('_', '-')} {' '.join(f'{v:g}' for v in getattr(args, flag))}: needs an initial "
+                 "decay in [0, 1], a slope >= 0 and a max decay in [0, 1]")
+
+
 def train_timestep_grid(grid, args):
     """The steps of the rollout grid that training draws from: all but the last, near-zero one."""
     return grid[:-1]
@@ -265,6 +274,7 @@ def check_args(args):
              f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
+    check_schedules(args)
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the trained steps of the "

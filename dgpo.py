@@ -227,6 +227,15 @@ def update_snapshots(transformer, args, event, iterations, steps):
     return decays
 
 
+def check_schedules(args):
+    """An EMA schedule whose decay could leave [0, 1] is named before anything loads."""
+    slope, maximum = args.old_decay
+    if slope < 0 or not 0 <= maximum <= 1:
+        fail(f"--old-decay {slope:g} {maximum:g}: needs a slope >= 0 and a max decay in [0, 1]")
+    if args.switch_to_old_step < 0:
+        fail(f"--switch-to-old-step {args.switch_to_old_step}: must be at least 0")
+
+
 def train_timestep_grid(grid, args):
     """The steps of the rollout grid that training draws from: all but the last, near-zero one (CRD's), or the first
     `timestep_window` (official: the first trunc_steps + 1, train_sd3_dgpo.py:1063)."""
@@ -268,6 +277,7 @@ def check_args(args):
              f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
+    check_schedules(args)
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the trained steps of the "

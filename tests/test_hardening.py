@@ -1,5 +1,6 @@
 """Run management (checkpoint.py and the trainers' use of it): full disks, permissions, stale temporary checkpoints,
-old checkpoints, resume rules at another world size, --overwrite, an empty run's summary and the --help text."""
+old checkpoints, resume rules at another world size, --overwrite, an empty run's summary, the --help text, and EMA
+schedules that would leave [0, 1]."""
 
 import json
 import os
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 import checkpoint
+import crd
+import dgpo
 import reward
 import rollout
 from ocr_server import ocr_server
@@ -213,3 +216,16 @@ def test_a_failing_scorer_returns_nan_and_keeps_its_first_failure(capsys):
     scorer(np.zeros((1, 8, 8, 3), np.uint8), ["a"])
     assert scorer.failure == "the reward failed: ValueError('cannot read 3 images')"  # the first failure
     assert reward.GuardedScorer(reward.brightness)(np.full((1, 8, 8, 3), 255, np.uint8), ["a"])[0].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("trainer, flags, message", [
+    (crd, dict(sampling_decay=(75, 0.0, 0.0075, 1.5)), "--sampling-decay 75 0 0.0075 1.5: needs an initial decay in"),
+    (crd, dict(old_decay=(0, -0.25, 0.005, 0.999)), "--old-decay 0 -0.25 0.005 0.999: needs an initial decay in"),
+    (crd, dict(old_decay=(0, 0.25, -0.005, 0.999)), "--old-decay 0 0.25 -0.005 0.999: needs an initial decay in"),
+    (dgpo, dict(old_decay=(0.001, 2.0)), "--old-decay 0.001 2: needs a slope >= 0 and a max decay in [0, 1]"),
+    (dgpo, dict(switch_to_old_step=-3), "--switch-to-old-step -3: must be at least 0"),
+])
+def test_an_ema_schedule_outside_0_1_is_named(trainer, flags, message):
+    trainer.check_args(trainer.Args(train_batch_size=6))  # the defaults pass (train_batch_size as resolved from 0)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        trainer.check_args(trainer.Args(train_batch_size=6, **flags))
