@@ -106,3 +106,30 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     finally:
         pool.close()
     assert scores.tolist() == expected[0].tolist() and texts == expected[1]
+
+
+def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports(tmp_path):
+    """run_benchmark end to end on the tiny model: real crd.py and dgpo.py subprocesses on the pool's PP-OCR reward,
+    their TensorBoard curves, checkpoints scored again at every protocol, `run.sh compare`, the plot and the grids."""
+    from benchmark.ocr_proxy import run_benchmark
+
+    args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
+                              iterations=2, eval_every=1, eval_prompts=2, ocr_workers=1,
+                              trainer_args="--prompts-per-rank 1 --group-size 2 --num-steps 3 --num-train-timesteps 1")
+    report = run_benchmark.main(args)
+    out = tmp_path / "bench"
+    assert report["return_codes"] == {"crd_seed3": 0, "dgpo_seed3": 0}
+    for name in ("crd_seed3", "dgpo_seed3"):
+        run = report["runs"][name]
+        assert [step for step, _ in run["eval"]] == [0, 1, 2] and run["iterations"] == 2
+        scores = report["final_scores"][name]
+        assert scores["checkpoint"] == "global_step_2"
+        assert set(scores) == {"checkpoint", "cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
+        assert all(0.0 <= scores[k] <= 1.0 for k in scores if k != "checkpoint")
+    # the driver's scoring of the last checkpoint reproduces the trainer's last validation (same sampler, seeds, words)
+    assert report["final_scores"]["crd_seed3"]["cfg1_2steps"] == pytest.approx(report["runs"]["crd_seed3"]["eval"][-1][1])
+    assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps"}
+    assert (out / "curves.png").stat().st_size > 10_000 and (out / "benchmark.json").is_file()
+    assert "crd_seed3" in (out / "compare_seed3.md").read_text()
+    assert sorted(p.name.split("_iteration")[0] for p in out.glob("grid_*.png")) == [
+        "grid_crd_seed3_first", "grid_crd_seed3_last", "grid_dgpo_seed3_first", "grid_dgpo_seed3_last"]

@@ -125,8 +125,10 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
 
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
                  resolution: int, protocols: dict[str, tuple[float, int]]) -> dict:
-    """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}) of the base model and of each run's last
-    checkpoint, with the adapter the trainers validate and roll out with ("sampling")."""
+    """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
+    and of each run's last checkpoint, with the adapter the trainers validate and roll out with ("sampling"), and with
+    the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is a slow EMA of the
+    policy (decay 0.999 from iteration 104 on), DGPO's follows it closely."""
     cuda = torch.cuda.is_available()
     pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
@@ -134,12 +136,12 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
     def embed(prompts):
         return rollout.encode_prompts(pipe, prompts, max_sequence_length)
 
-    def at_every_protocol(adapter):
+    def at_protocols(adapter, named):
         with rollout.use_adapter(pipe.transformer, adapter):
             return {name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
-                    for name, (g, n) in protocols.items()}
+                    for name, (g, n) in named.items()}
 
-    scores = {"base": at_every_protocol(None)}
+    scores = {"base": at_protocols(None, protocols)}
     for index, (name, run_dir) in enumerate(runs.items()):
         adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
         checkpoints = checkpoint.checkpoints(run_dir)
@@ -147,17 +149,24 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
             adapters, trained = checkpoint.read_adapters(checkpoints[-1])
             rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["sampling"])
-            scores[name] = {"checkpoint": checkpoints[-1].name, **at_every_protocol(adapter)}
+            scores[name] = {"checkpoint": checkpoints[-1].name, **at_protocols(adapter, protocols)}
+            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
+            validation = dict([next(iter(protocols.items()))])
+            scores[name].update({f"policy_{k}": v for k, v in at_protocols(adapter, validation).items()})
     return scores
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    if not run_dir.is_dir():  # the trainer stopped before it wrote anything
+        return []
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
     return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
 def save_grids(run_dir: Path, out: Path, name: str) -> list[str]:
     """The first and last validation grids of a run, as the trainer logged them (PNG)."""
+    if not run_dir.is_dir():
+        return []
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0}).Reload()
     grids = events.Images("eval/images") if "eval/images" in events.Tags()["images"] else []
     written = []
@@ -275,6 +284,10 @@ def main(args: Args) -> dict:
     for name, run in report["runs"].items():
         print(f"{name}: held-out PP-OCR {run.get('initial_eval_reward')} -> {run.get('final_eval_reward')} "
               f"(best {run.get('best_eval_reward')} at {run.get('best_eval_iteration')}), {run.get('iterations')} iterations")
+    for name, code in report["return_codes"].items():
+        if code:
+            lines = (runs / f"{name}.log").read_text(errors="replace").strip().splitlines() or [""]
+            print(f"run_benchmark: {name} failed (exit {code}); {runs / name}.log ends: {lines[-1]}", flush=True)
     print(f"run_benchmark: phases {report['phases_s']}; outputs in {out}", flush=True)
     return report
 
