@@ -15,14 +15,15 @@
 
 The directory is a diffusers StableDiffusion3Pipeline (bf16) that crd.py and dgpo.py load with --model DIR, plus
 proxy.json (the configuration, the validation history and wall times). Same arguments, same seed: same words and
-the same training on CPU; CUDA kernels may differ in the last bits. A directory whose proxy.json holds the same
-configuration is reused as it is.
+the same training, also on CUDA (torch's deterministic algorithms; the base score moved by 0.05 between two GPU
+runs without them). A directory whose proxy.json holds the same configuration is reused as it is.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -243,6 +244,9 @@ def pretrain(args: Args) -> Path:
     started = time.perf_counter()
     pool = OcrPool(args.ocr_workers)  # forked before CUDA starts
     device = torch.device(args.device)
+    if device.type == "cuda":  # for the rest of the process; cuBLAS reads its setting at this process's first matmul
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel: a warning
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     generator = torch.Generator(device).manual_seed(args.seed)
     torch.manual_seed(args.seed)
