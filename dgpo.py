@@ -551,8 +551,12 @@ if __name__ == "__main__":
         if world_size > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops every rank
         stop_signal, diverged, failed = stop.tolist()
-        stopped_by = (signal.Signals(stop_signal).name if stop_signal else f"{nonfinite_streak} consecutive non-finite "
-                      "gradients" if diverged else scorer.failure or "the reward failed on another rank" if failed else None)
+        if stop_signal:
+            stopped_by = signal.Signals(stop_signal).name
+        elif diverged:
+            stopped_by = f"{nonfinite_streak} consecutive non-finite gradients"
+        elif failed:
+            stopped_by = scorer.failure or "the reward failed on another rank"
         if main_process:
             writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iteration + 1)
         if stopped_by:
