@@ -1,6 +1,7 @@
 """The OCR proxy benchmark's CPU-checkable parts: the word sets, the renders, and pretraining on a tiny model."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -133,3 +134,20 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     assert "crd_seed3" in (out / "compare_seed3.md").read_text()
     assert sorted(p.name.split("_iteration")[0] for p in out.glob("grid_*.png")) == [
         "grid_crd_seed3_first", "grid_crd_seed3_last", "grid_dgpo_seed3_first", "grid_dgpo_seed3_last"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(variants=["lr1e-4"]), "--variants 'lr1e-4': write NAME=TRAINER_ARGS"),
+    (dict(variants=["=--learning-rate 1e-4"]), "--variants '=--learning-rate 1e-4': write NAME=TRAINER_ARGS"),
+    (dict(trainer_args="--run-name 'a"), "--trainer-args \"--run-name 'a\": No closing quotation"),
+    (dict(seeds=[0, 0]), "--seeds 0 0: give one or more distinct seeds"),
+    (dict(iterations=0), "--iterations 0: must be at least 1"),
+    (dict(algorithms=[]), "--algorithms: give crd, dgpo or both"),
+])
+def test_the_benchmark_driver_names_a_bad_argument_before_pretraining(flags, message, tmp_path):
+    from benchmark.ocr_proxy import run_benchmark
+
+    args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), **flags)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        run_benchmark.main(args)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "bench").exists()

@@ -91,6 +91,29 @@ class Args:
     protocol's steps), beside the validation, rollout (CFG 1, 10 steps) and recipe (CFG 4.5, 40 steps) protocols"""
 
 
+def check_args(args: Args) -> None:
+    """One line for an argument the runs would trip over minutes later."""
+    def fail(message):
+        sys.exit(f"run_benchmark.py: error: {message}")
+
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        fail(f"--seeds {' '.join(map(str, args.seeds))}: give one or more distinct seeds")
+    if not args.algorithms:
+        fail("--algorithms: give crd, dgpo or both")
+    for flag in ("iterations", "eval_every", "eval_prompts"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    for variant in args.variants:
+        name = variant.split("=", 1)[0]
+        if "=" not in variant or not name or "/" in name:
+            fail(f"--variants {variant!r}: write NAME=TRAINER_ARGS, e.g. 'lr1e-4=--learning-rate 1e-4' ('base=': none)")
+    for flag, value in [("trainer-args", args.trainer_args), *(("variants", v) for v in args.variants)]:
+        try:
+            shlex.split(value)
+        except ValueError as error:
+            fail(f"--{flag} {value!r}: {error}")
+
+
 def gpu_count() -> int:
     """Without initialising CUDA in this process (its PP-OCR pool forks)."""
     if shutil.which("nvidia-smi") is None:
@@ -205,6 +228,7 @@ def plot_curves(curves: dict, path: Path, title: str, validation: str) -> None:
 
 
 def main(args: Args) -> dict:
+    check_args(args)
     out = Path(args.out).resolve()
     runs, data = out / "runs", out / "data"
     runs.mkdir(parents=True, exist_ok=True)
