@@ -230,7 +230,7 @@ def update_snapshots(transformer, args, event, iterations, steps):
 def check_schedules(args):
     """An EMA schedule whose decay could leave [0, 1] is named before anything loads."""
     for flag in ("old_decay", "sampling_decay"):
-        start, initial, slope, maximum = getattr(args, flag)
+        _, initial, slope, maximum = getattr(args, flag)  # any start k is fine
         if slope < 0 or not (0 <= initial <= 1 and 0 <= maximum <= 1):
             fail(f"--{flag.replace('_', '-')} {' '.join(f'{v:g}' for v in getattr(args, flag))}: needs an initial "
                  "decay in [0, 1], a slope >= 0 and a max decay in [0, 1]")

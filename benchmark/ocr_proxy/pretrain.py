@@ -15,8 +15,9 @@
 
 The directory is a diffusers StableDiffusion3Pipeline (bf16) that crd.py and dgpo.py load with --model DIR, plus
 proxy.json (the configuration, the validation history and wall times). Same arguments, same seed: same words and
-the same training, also on CUDA (torch's deterministic algorithms; the base score moved by 0.05 between two GPU
-runs without them). A directory whose proxy.json holds the same configuration is reused as it is.
+the same training, also on CUDA (torch's deterministic algorithms: two short runs on one H200 gave identical
+weights; without them, the base score had moved by 0.05 between two GPU runs). A directory whose proxy.json holds
+the same configuration is reused as it is.
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
             return {name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
                     for name, (g, n) in named.items()}
 
-    scores = {"base": at_protocols(None, protocols)}
+    scores, validation = {"base": at_protocols(None, protocols)}, dict([next(iter(protocols.items()))])
     for index, (name, run_dir) in enumerate(runs.items()):
         adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
         checkpoints = checkpoint.checkpoints(run_dir)
@@ -174,7 +174,6 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["sampling"])
             scores[name] = {"checkpoint": checkpoints[-1].name, **at_protocols(adapter, protocols)}
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
-            validation = dict([next(iter(protocols.items()))])
             scores[name].update({f"policy_{k}": v for k, v in at_protocols(adapter, validation).items()})
     return scores
 
