@@ -143,11 +143,16 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     (dict(seeds=[0, 0]), "--seeds 0 0: give one or more distinct seeds"),
     (dict(iterations=0), "--iterations 0: must be at least 1"),
     (dict(algorithms=[]), "--algorithms: give crd, dgpo or both"),
+    (dict(pretrain=dict(eval_every=0)), "pretrain.py: error: --eval-every 0: must be at least 1"),
+    (dict(pretrain=dict(task=Task(alphabet="01", length=3))), "--task: 8 words of 3 symbols of '01': too few to hold"),
+    (dict(pretrain=dict(task=Task(resolution=100))), "--task.resolution 100: must be a positive multiple of 16"),
 ])
 def test_the_benchmark_driver_names_a_bad_argument_before_pretraining(flags, message, tmp_path):
     from benchmark.ocr_proxy import run_benchmark
 
-    args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), **flags)
+    tiny = _tiny_args(tmp_path / "model")
+    pretrain_args = pretrain.Args(**{**vars(tiny), **flags.pop("pretrain", {})})
+    args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=pretrain_args, **flags)
     with pytest.raises(SystemExit, match=re.escape(message)):
         run_benchmark.main(args)
     assert not (tmp_path / "model").exists() and not (tmp_path / "bench").exists()

@@ -116,6 +116,27 @@ class Args:
     """PP-OCR processes for validation (0: in this process)"""
 
 
+def check_args(args: Args) -> None:
+    """One line for an argument that would fail minutes into pretraining (or never stop it)."""
+    def fail(message):
+        sys.exit(f"pretrain.py: error: {message}")
+
+    for flag in ("vae_steps", "vae_batch_size", "steps", "batch_size", "eval_every", "eval_words", "validation_steps",
+                 "rollout_steps", "max_sequence_length"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.task.resolution < 16 or args.task.resolution % 16:
+        fail(f"--task.resolution {args.task.resolution}: must be a positive multiple of 16 (VAE factor 8 x patch size 2)")
+    if not args.task.alphabet or args.task.length < 1 or min(args.task.test_words, args.task.validation_words) < 1:
+        fail("--task.alphabet, --task.length, --task.test-words and --task.validation-words: need at least one each")
+    try:
+        split_words(args.task, args.seed)
+    except ValueError as error:
+        fail(f"--task: {error}")
+    if args.time_cap_s <= 0:
+        fail(f"--time-cap-s {args.time_cap_s:g}: must be positive")
+
+
 def config_key(args: Args) -> dict:
     """What determines the model: everything but where it goes, the device and the scorer's parallelism."""
     key = asdict(args)
@@ -236,6 +257,7 @@ def save_pipeline(components: dict, out: Path, metadata: dict) -> None:
 
 def pretrain(args: Args) -> Path:
     """Build (or reuse) the model directory args.out; returns its path."""
+    check_args(args)
     out = Path(args.out).expanduser()
     key = config_key(args)
     saved = json.loads((out / "proxy.json").read_text()) if (out / "proxy.json").is_file() else {}

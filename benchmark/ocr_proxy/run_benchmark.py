@@ -112,6 +112,7 @@ def check_args(args: Args) -> None:
             shlex.split(value)
         except ValueError as error:
             fail(f"--{flag} {value!r}: {error}")
+    pretrain.check_args(args.pretrain)
 
 
 def gpu_count() -> int:
