@@ -574,10 +574,16 @@ if __name__ == "__main__":
                                                            "text encoders": args.text_encoder_device}))
         writer.close()
         print(json.dumps(summary, indent=1))
-    if world_size > 1:  # tear the process group down in step, or gloo's threads abort the exit
-        dist.barrier()
-        dist.destroy_process_group()
+    exit_code = 128 + stop_signal if stop_signal else 0  # the shell's convention for a process ended by that signal
     if stopped_by and not stop_signal:  # non-finite gradients or a failed scorer
-        fail(f"{stopped_by}: stopped after iteration {state['iteration']} (the latest checkpoint is in {run_dir})")
-    if stop_signal:
-        sys.exit(128 + stop_signal)  # the shell's convention for a process ended by that signal
+        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: stopped after iteration {state['iteration']} (the latest "
+              f"checkpoint is in {run_dir})", file=sys.stderr)
+        exit_code = 1
+    if world_size > 1:  # tear the process group down in step; then skip the interpreter's teardown, in which gloo's
+        dist.barrier()  # threads now and then abort the process ("terminate called without an active exception")
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    if exit_code:
+        sys.exit(exit_code)

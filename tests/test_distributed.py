@@ -29,22 +29,30 @@ TIMEOUT = 180  # seconds per run; a run takes ~10 s on 2 CPU cores
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_RUN_ID")
 
-# Runs crd.py unchanged as __main__ on every rank, then writes that rank's adapters and optimizer moments, which the
-# trainer itself only saves on rank 0. Usage: python WRAPPER ROOT OUT_DIR [crd.py arguments...]
+# Runs crd.py unchanged as __main__ on every rank; when it exits (a distributed trainer ends in os._exit), writes that
+# rank's adapters and optimizer moments, which the trainer itself only saves on rank 0, from the trainer's globals.
+# Usage: python WRAPPER ROOT OUT_DIR [crd.py arguments...]
 RANK_DUMP = '''
-import runpy, sys
+import os, runpy, sys
 from pathlib import Path
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 sys.argv = [str(root / "crd.py"), *sys.argv[3:]]
 sys.path.insert(0, str(root))
-run = runpy.run_path(str(root / "crd.py"), run_name="__main__")
-from safetensors.torch import save_file
-from rollout import lora_state_dict
-tensors = {f"{name}.{key}": value.contiguous() for name in ("policy", "old", "sampling")
-           for key, value in lora_state_dict(run["transformer"], name).items()}
-for i, param_state in run["optimizer"].state_dict()["state"].items():
-    tensors.update({f"adam.{i}.{key}": value.reshape(-1).contiguous() for key, value in param_state.items()})
-save_file(tensors, out / f"rank{run['rank']}.safetensors")
+exit_now = os._exit
+
+def dump_then_exit(code):
+    run = sys._getframe(1).f_globals
+    from safetensors.torch import save_file
+    from rollout import lora_state_dict
+    tensors = {f"{name}.{key}": value.contiguous() for name in ("policy", "old", "sampling")
+               for key, value in lora_state_dict(run["transformer"], name).items()}
+    for i, param_state in run["optimizer"].state_dict()["state"].items():
+        tensors.update({f"adam.{i}.{key}": value.reshape(-1).contiguous() for key, value in param_state.items()})
+    save_file(tensors, out / f"rank{run['rank']}.safetensors")
+    exit_now(code)
+
+os._exit = dump_then_exit
+runpy.run_path(str(root / "crd.py"), run_name="__main__")
 '''
 
 
