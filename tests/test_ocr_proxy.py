@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import rollout
 from benchmark.ocr_proxy import pretrain
-from benchmark.ocr_proxy.ocr_pool import MODEL_NAME, OcrPool, serve
+from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
 from reward import PaddleScorer, make_scorer
@@ -104,23 +104,31 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
         assert pool.score(images, targets)[0].tolist() == expected[0].tolist() == [1.0, 1.0, 0.0]
         with serve(pool) as url:
             scores, texts = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=3)(images, targets)
+            blind = make_scorer("vllm", urls=[url], model_path=BLIND_MODEL_NAME, batch_size=3)(images, targets)
     finally:
         pool.close()
     assert scores.tolist() == expected[0].tolist() and texts == expected[1]
+    assert blind[0].tolist() == [0.0, 0.0, 0.0] and blind[1] == ["", "", ""]  # the KL-only control's reward
 
 
 def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports(tmp_path):
     """run_benchmark end to end on the tiny model: real crd.py and dgpo.py subprocesses on the pool's PP-OCR reward,
-    their TensorBoard curves, checkpoints scored again at every protocol, `run.sh compare`, the plot and the grids."""
+    their TensorBoard curves, checkpoints scored again at every protocol, `run.sh compare`, the plot and the grids;
+    and the KL-only control, whose reward reads nothing and whose held-out curve is the trainers' PP-OCR judge."""
     from benchmark.ocr_proxy import run_benchmark
 
     args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
-                              iterations=2, eval_every=1, eval_prompts=2, ocr_workers=1,
+                              iterations=2, eval_every=1, eval_prompts=2, ocr_workers=1, kl_only_control=True,
                               trainer_args="--prompts-per-rank 1 --group-size 2 --num-steps 3 --num-train-timesteps 1")
     report = run_benchmark.main(args)
     out = tmp_path / "bench"
-    assert report["return_codes"] == {"crd_seed3": 0, "dgpo_seed3": 0}
-    for name in ("crd_seed3", "dgpo_seed3"):
+    runs = ("crd_seed3", "dgpo_seed3", "crd_klonly_seed3", "dgpo_klonly_seed3")
+    assert report["return_codes"] == dict.fromkeys(runs, 0)
+    for name in runs[2:]:
+        assert [v for _, v in run_benchmark.scalars(out / "runs" / name, "train/reward_mean")] == [0.0, 0.0]
+        # the judge reads what the pool reads: the same base, seeds and words give the same first validation
+        assert report["runs"][name]["eval"][0] == pytest.approx(report["runs"][name.replace("_klonly", "")]["eval"][0])
+    for name in runs:
         run = report["runs"][name]
         assert [step for step, _ in run["eval"]] == [0, 1, 2] and run["iterations"] == 2
         scores = report["final_scores"][name]
@@ -132,8 +140,9 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps"}
     assert (out / "curves.png").stat().st_size > 10_000 and (out / "benchmark.json").is_file()
     assert "crd_seed3" in (out / "compare_seed3.md").read_text()
-    assert sorted(p.name.split("_iteration")[0] for p in out.glob("grid_*.png")) == [
-        "grid_crd_seed3_first", "grid_crd_seed3_last", "grid_dgpo_seed3_first", "grid_dgpo_seed3_last"]
+    assert "crd_klonly_seed3" in (out / "compare_klonly_seed3.md").read_text()
+    assert sorted(p.name.split("_iteration")[0] for p in out.glob("grid_*.png")) == sorted(
+        f"grid_{name}_{label}" for name in runs for label in ("first", "last"))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -143,6 +152,8 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     (dict(seeds=[0, 0]), "--seeds 0 0: give one or more distinct seeds"),
     (dict(iterations=0), "--iterations 0: must be at least 1"),
     (dict(algorithms=[]), "--algorithms: give crd, dgpo or both"),
+    (dict(kl_only_control=True, scorer="paddle"), "--kl-only-control: the reward that reads no text is served by"),
+    (dict(kl_only_control=True, variants=["klonly=--seed 1"]), "--variants: the name 'klonly' is --kl-only-control's"),
     (dict(pretrain=dict(eval_every=0)), "pretrain.py: error: --eval-every 0: must be at least 1"),
     (dict(pretrain=dict(task=Task(alphabet="01", length=3))), "--task: 8 words of 3 symbols of '01': too few to hold"),
     (dict(pretrain=dict(task=Task(resolution=100))), "--task.resolution 100: must be a positive multiple of 16"),

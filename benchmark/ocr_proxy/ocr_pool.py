@@ -72,24 +72,27 @@ class OcrPool:
 
 
 MODEL_NAME = "pp-ocr"  # what GET /v1/models lists: the trainers' --reward-model
+BLIND_MODEL_NAME = "pp-ocr-blind"  # served too: reads no text, so every image scores 0 and every advantage is 0
 
 
 @contextmanager
 def serve(pool: OcrPool):
     """POST /v1/chat/completions on 127.0.0.1 (a free port), answered with the PP-OCR read of the request's image,
     and GET /v1/models (the client's health check), in a thread until the block exits; yields the base URL for the
-    trainers' --reward-urls."""
+    trainers' --reward-urls. A request for BLIND_MODEL_NAME is answered with no text: a reward that teaches nothing."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.reply({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
+            self.reply({"object": "list", "data": [{"id": name, "object": "model"}
+                                                   for name in (MODEL_NAME, BLIND_MODEL_NAME)]})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             parts = body["messages"][0]["content"]
             url = next(p["image_url"]["url"] for p in parts if p["type"] == "image_url")
             image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
-            message = {"role": "assistant", "content": pool.read(np.asarray(image))}
+            text = "" if body["model"] == BLIND_MODEL_NAME else pool.read(np.asarray(image))
+            message = {"role": "assistant", "content": text}
             self.reply({"object": "chat.completion", "model": body["model"],
                         "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
 

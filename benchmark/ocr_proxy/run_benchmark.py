@@ -3,11 +3,13 @@ PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables
 
     python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 150 iterations
 
-The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it; none:
-the CPU, slowly). `--variants` sweeps trainer settings, `--final-guidances` scores the final checkpoints at more CFG
-scales. The reward is PP-OCR: by default the driver serves reward.PaddleScorer's reads from
-a pool of single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the
-in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead.
+The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it, and
+the default's six runs and pretraining took 590 s on one H200; none: the CPU, slowly). `--variants` sweeps trainer
+settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL anchor to the guided base teaches
+alone), `--final-guidances` scores the final checkpoints at more CFG scales. The reward is PP-OCR: by default the
+driver serves reward.PaddleScorer's reads from a pool of single-threaded engines to the trainers' `--reward vllm`
+client (the same scores, in parallel; the in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each);
+`--scorer paddle` uses that instead.
 Both algorithms get the same prompts, seeds, iterations, images per iteration and optimizer steps: only the trainer
 script differs. Outputs in --out:
     data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
@@ -49,10 +51,14 @@ sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
 import rollout  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import MODEL_NAME, OcrPool, serve  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo")
+KL_ONLY = "klonly"  # the variant of --kl-only-control
+# held-out PP-OCR in a run's TensorBoard: the trainers' PP-OCR judge where it ran (the control's reward reads nothing),
+# else their reward, the pool's PP-OCR
+HELD_OUT_TAGS = ("eval/reward_paddle", "eval/reward_mean")
 
 
 @dataclass
@@ -86,6 +92,10 @@ class Args:
     variants: list[str] = field(default_factory=list)
     """a sweep: each NAME=ARGS runs every algorithm and seed with ARGS after --trainer-args, as runs
     {algo}_{NAME}_seed{S}, e.g. '--variants default= lr1e-4=--learning-rate 1e-4'; none: runs {algo}_seed{S}"""
+    kl_only_control: bool = False
+    """also run every algorithm and seed with a reward that reads no text (every score 0, so every advantage 0), as
+    runs {algo}_klonly_seed{S}: what the KL anchor to the CFG-guided base teaches the CFG-1 policy without the reward,
+    the guidance-distillation part of the other runs' gain. Their held-out curve is the trainers' PP-OCR judge"""
     final_guidances: list[float] = field(default_factory=list)
     """CFG scales at which the base and each run's last checkpoint are also scored after training (at the validation
     protocol's steps), beside the validation, rollout (CFG 1, 10 steps) and recipe (CFG 4.5, 40 steps) protocols"""
@@ -107,6 +117,10 @@ def check_args(args: Args) -> None:
         name = variant.split("=", 1)[0]
         if "=" not in variant or not name or "/" in name:
             fail(f"--variants {variant!r}: write NAME=TRAINER_ARGS, e.g. 'lr1e-4=--learning-rate 1e-4' ('base=': none)")
+    if args.kl_only_control and args.scorer != "pool":
+        fail("--kl-only-control: the reward that reads no text is served by the pool (--scorer pool)")
+    if args.kl_only_control and any(v.split("=", 1)[0] == KL_ONLY for v in args.variants):
+        fail(f"--variants: the name {KL_ONLY!r} is --kl-only-control's")
     for flag, value in [("trainer-args", args.trainer_args), *(("variants", v) for v in args.variants)]:
         try:
             shlex.split(value)
@@ -139,6 +153,10 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                "--output-dir", str(runs), "--run-name", run_name(algo, variant, seed),
                "--device", "cpu" if gpu is None else "cuda",
                "--no-compile",  # a 15.5M-parameter model: compiling would take longer than it saves
+               # whole passes in one forward: the defaults cut them for SD3.5-M's memory, and a model this small runs
+               # launch-bound (same numbers up to float rounding; six runs sharing one H200: 2.2-2.4 -> 1.6-1.8 s an
+               # iteration, benchmark/RESULTS.md "v4")
+               "--forward-batch-size", "512", "--policy-timesteps-per-forward", "9",
                *shlex.split(args.trainer_args), *shlex.split(variant_args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu)}
     print("+ " + " ".join(command), flush=True)
@@ -208,7 +226,7 @@ def plot_curves(curves: dict, path: Path, title: str, validation: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, tag, label in ((axes[0], "eval/reward_mean", f"held-out PP-OCR ({validation})"),
+    for ax, tag, label in ((axes[0], "held_out", f"held-out PP-OCR ({validation})"),
                            (axes[1], "train/reward_mean", "rollout PP-OCR (training words, CFG 1, 10 steps)")):
         for (name, seeds), color in zip(curves.items(), plt.get_cmap("tab10").colors):
             runs = [dict(c[tag]) for c in seeds.values() if c[tag]]
@@ -236,6 +254,8 @@ def main(args: Args) -> dict:
 
     started = benchmark_started = time.perf_counter()
     variants = dict(v.split("=", 1) for v in args.variants) or {"": ""}  # {name: trainer arguments}
+    if args.kl_only_control:
+        variants[KL_ONLY] = f"--reward-model {BLIND_MODEL_NAME} --eval-judge paddle"
     jobs = [(algo, variant, seed) for seed in args.seeds for variant in variants for algo in args.algorithms]
     cores = sorted(os.sched_getaffinity(0))
     pool = OcrPool(args.ocr_workers or max(1, len(cores) - len(jobs))) if args.scorer == "pool" else None
@@ -288,11 +308,13 @@ def main(args: Args) -> dict:
     curves, report["runs"], report["grids"] = {}, {}, []
     for algo, variant, seed in jobs:
         name, run_dir = run_name(algo, variant, seed), runs / run_name(algo, variant, seed)
-        curve = {tag: scalars(run_dir, tag) for tag in ("eval/reward_mean", "train/reward_mean")}
-        curves.setdefault(f"{algo.upper()} {variant}".strip(), {})[seed] = curve
+        held_out = next((c for c in (scalars(run_dir, tag) for tag in HELD_OUT_TAGS) if c), [])
+        rollout_reward = [] if variant == KL_ONLY else scalars(run_dir, "train/reward_mean")  # the control's: all 0
+        curve = {"held_out": held_out, "train/reward_mean": rollout_reward}
+        label = f"{algo.upper()}, KL-only control" if variant == KL_ONLY else f"{algo.upper()} {variant}".strip()
+        curves.setdefault(label, {})[seed] = curve
         summary = run_dir / "summary.json"
-        report["runs"][name] = {**(json.loads(summary.read_text()) if summary.is_file() else {}),
-                                "eval": curve["eval/reward_mean"]}
+        report["runs"][name] = {**(json.loads(summary.read_text()) if summary.is_file() else {}), "eval": held_out}
         report["grids"] += save_grids(run_dir, out, name)
     for variant in variants:
         for seed in args.seeds if len(args.algorithms) > 1 else ():
@@ -306,8 +328,10 @@ def main(args: Args) -> dict:
     report["phases_s"]["report"] = time.perf_counter() - started
     (out / "benchmark.json").write_text(json.dumps(report, indent=1))
     for name, run in report["runs"].items():
-        print(f"{name}: held-out PP-OCR {run.get('initial_eval_reward')} -> {run.get('final_eval_reward')} "
-              f"(best {run.get('best_eval_reward')} at {run.get('best_eval_iteration')}), {run.get('iterations')} iterations")
+        if run["eval"]:
+            best = max(run["eval"], key=lambda entry: entry[1])
+            print(f"{name}: held-out PP-OCR {run['eval'][0][1]:.3f} -> {run['eval'][-1][1]:.3f} (best {best[1]:.3f} "
+                  f"at {best[0]}), {run.get('iterations')} iterations")
     for name, code in report["return_codes"].items():
         if code:
             lines = (runs / f"{name}.log").read_text(errors="replace").strip().splitlines() or [""]
