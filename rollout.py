@@ -174,6 +174,19 @@ def check_model_path(model: str) -> None:
         raise RuntimeError(f"--model {model}: no model_index.json in this directory, so not a diffusers pipeline")
 
 
+def _unreadable_safetensors(directory) -> str:
+    """The first .safetensors file under `directory` whose header safetensors cannot read ("" if none)."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(directory).rglob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError):
+            return str(path)
+    return ""
+
+
 def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                   cache_dir: str | Path | None = None,
                   text_encoder_device: str | torch.device | None = None) -> StableDiffusion3Pipeline:
@@ -187,6 +200,7 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
     created directly on `device` in `dtype` ("meta" counts parameters without memory) and never saved.
     """
     from diffusers import StableDiffusion3Pipeline
+    from safetensors import SafetensorError
 
     if model == RANDOM_MEDIUM:
         default_dtype = torch.get_default_dtype()
@@ -201,12 +215,14 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
         path = _tiny_model_dir(cache_dir) if model == TINY else os.path.expanduser(model)
         try:
             pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError, KeyError) as e:  # KeyError: a model_index.json without what diffusers needs
-            raise RuntimeError(
-                f"could not load the SD3 model {str(path)!r} ({type(e).__name__}). For the gated "
-                "stabilityai/stable-diffusion-3.5-medium, log in with `hf auth login` and accept the SD3.5 licence on "
-                "its model page; or pass a local directory that holds a diffusers StableDiffusion3Pipeline."
-            ) from e
+        except (OSError, ValueError, KeyError, SafetensorError) as e:  # KeyError: a model_index.json lacking a part
+            reason = " ".join(str(e).split())[:300].rstrip(".") or type(e).__name__  # diffusers' name the file
+            if isinstance(e, SafetensorError):  # safetensors' does not
+                reason = f"{_unreadable_safetensors(path)}: {reason}"
+            hint = ("" if os.path.isdir(path) else " For the gated stabilityai/stable-diffusion-3.5-medium, log in "
+                    "with `hf auth login` and accept the SD3.5 licence on its model page, or pass a local directory "
+                    "that holds a diffusers StableDiffusion3Pipeline.")
+            raise RuntimeError(f"could not load the SD3 model {str(path)!r}: {reason}.{hint}") from e
         for name, component in pipe.components.items():
             if isinstance(component, torch.nn.Module):
                 component.to(text_encoder_device or device if name.startswith("text_encoder") else device)

@@ -2,6 +2,8 @@
 
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -523,7 +525,19 @@ def test_missing_local_model_has_clear_error(tmp_path):
     (tmp_path / "model_index.json").write_text("{}")  # a directory that claims to be a pipeline: diffusers' error
     with pytest.raises(RuntimeError, match="could not load the SD3 model") as info:
         rollout.load_pipeline(str(tmp_path))
-    assert info.value.__cause__ is not None
+    assert info.value.__cause__ is not None and "hf auth login" not in str(info.value)  # a local directory
+
+
+def test_a_damaged_model_file_is_named(tiny_model_dir, tmp_path):
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    weights = model / "text_encoder_3" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(RuntimeError, match=f"could not load the SD3 model .*: {re.escape(str(weights))}: Error while"):
+        rollout.load_pipeline(str(model))
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model2")
+    (model / "transformer" / "config.json").write_text("{")
+    with pytest.raises(RuntimeError, match=re.escape(f"config file at '{model}/transformer/config.json' is not a valid")):
+        rollout.load_pipeline(str(model))
 
 
 def test_text_encoders_go_to_their_own_device(tiny_model_dir):
