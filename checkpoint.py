@@ -11,6 +11,7 @@ before it trains on the failed iteration, saving the one before; the summary the
 import fcntl
 import json
 import os
+import pickle
 import resource
 import shutil
 import signal
@@ -74,6 +75,8 @@ def read_checkpoint_state(checkpoint):
         state = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise RunError(f"--resume-from {checkpoint}: not a checkpoint directory ({error})") from None
+    if not isinstance(state, dict) or not {"args", "iteration", "sampler"} <= state.keys():
+        raise RunError(f"--resume-from {checkpoint}: {path} is not a trainer state (no args, iteration and sampler)")
     state.setdefault("optimizer_steps", state.pop("global_step", 0))
     state.setdefault("start_iterations", [1])
     if not isinstance(state.get("peak_mem_gib"), dict):  # older checkpoints: rank 0's peak alone
@@ -84,9 +87,13 @@ def read_checkpoint_state(checkpoint):
 def prepare_run(args, algorithm, world_size, main_process):
     """Before any model loads: the run directory, checked and (main process) locked, with a resume's settings checked
     against its checkpoint's. Returns (run directory, lock file to keep open or None)."""
+    resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
     run_dir = run_directory(args, f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
     if args.resume_from:
-        refused, allowed = resume_changes(read_checkpoint_state(args.resume_from), args, world_size, algorithm)
+        read_adapters(args.resume_from)  # readable before minutes of model loading
+        if not (Path(args.resume_from) / "optimizer.pt").is_file():
+            raise RunError(f"--resume-from {args.resume_from}: no optimizer.pt in this checkpoint")
+        refused, allowed = resume_changes(resumed, args, world_size, algorithm)
         if refused:
             raise RunError(f"--resume-from {args.resume_from}: settings that define the run differ from the "
                            f"checkpoint's: {'; '.join(refused)} (resume with the checkpoint's values or start a new "
@@ -96,6 +103,9 @@ def prepare_run(args, algorithm, world_size, main_process):
     if not main_process:
         return run_dir, None
     if args.dry_run:  # checked, but neither created nor locked: the real run may start in a while
+        existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise RunError(f"cannot create the run directory {run_dir}: {existing} is not a writable directory")
         held_run(run_dir, bool(args.resume_from), args.overwrite)
         return run_dir, None
     return run_dir, claim_run_directory(run_dir, bool(args.resume_from), args.overwrite)
@@ -119,8 +129,11 @@ def run_directory(args, default_name):
 def claim_run_directory(run_dir, resuming, overwrite):
     """Lock run_dir for this process (the returned open file holds the lock until the process ends), refuse one that
     already holds a run unless resuming it or overwriting, and remove temporary checkpoints left by a killed run."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / "run.lock", "a+")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / "run.lock", "a+")
+    except OSError as error:
+        raise RunError(f"cannot create the run directory {run_dir} ({error.strerror or error})") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -227,21 +240,36 @@ def read_adapters(checkpoint):
     path = Path(checkpoint)
     if not (path / "trainer_state.json").is_file() or not (path / "adapters.safetensors").is_file():
         raise RunError(f"{path}: not a checkpoint directory (no trainer_state.json and adapters.safetensors)")
-    trained = json.loads((path / "trainer_state.json").read_text()).get("args", {})
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except ValueError as error:
+        raise RunError(f"{path / 'trainer_state.json'}: not JSON ({error})") from None
+    trained = state.get("args", {}) if isinstance(state, dict) else {}
     if "lora_rank" not in trained:
         raise RunError(f"{path}: its trainer_state.json records no Args (lora_rank, lora_alpha)")
+    try:
+        tensors = load_file(path / "adapters.safetensors")
+    except (SafetensorError, OSError) as error:
+        raise RunError(f"{path / 'adapters.safetensors'}: not a readable safetensors file ({error})") from None
     adapters = {}
-    for key, value in load_file(path / "adapters.safetensors").items():
+    for key, value in tensors.items():
         name, lora_key = key.split(".", 1)
         adapters.setdefault(name, {})[lora_key] = value
     return adapters, trained
 
 
 def load_checkpoint(path, transformer, optimizer, device):
+    """The checkpoint's adapters and optimizer state into transformer and optimizer; returns its trainer state."""
     adapters, _ = read_adapters(path)
+    missing = [name for name in ADAPTERS if name not in adapters]
+    if missing:
+        raise RunError(f"{Path(path) / 'adapters.safetensors'}: no {', '.join(missing)} adapter")
     for name in ADAPTERS:
         load_lora_state_dict(transformer, name, adapters[name])
-    optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=device, weights_only=True))
+    try:
+        optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=device, weights_only=True))
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as error:
+        raise RunError(f"{Path(path) / 'optimizer.pt'}: not a readable optimizer state ({error})") from None
     return read_checkpoint_state(path)
 
 
@@ -304,5 +332,7 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
                "mean_iteration_s": mean, "mean_iteration_excludes": sorted(warmups & set(range(1, len(times) + 1))),
                "train_images_per_s": images_per_iteration / mean if mean else None,
                "peak_mem_gib": {**state["peak_mem_gib"], **other_gpus}}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    partial = run_dir / ".summary.json.tmp"  # replaced at once: a kill never leaves half a summary
+    partial.write_text(json.dumps(summary, indent=1, allow_nan=False))
+    partial.replace(run_dir / "summary.json")
     return summary

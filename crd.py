@@ -382,7 +382,10 @@ if __name__ == "__main__":
     state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [],
              "peak_mem_gib": {}}
     if args.resume_from:
-        state = load_checkpoint(args.resume_from, transformer, optimizer, device)
+        try:
+            state = load_checkpoint(args.resume_from, transformer, optimizer, device)
+        except RunError as error:
+            fail(error)
         sampler.load_state_dict(state["sampler"])
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
     state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=Path(__file__).stem)

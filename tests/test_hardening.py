@@ -100,10 +100,46 @@ def test_a_repeated_signal_exits_at_once_except_under_torchrun(torchrun, monkeyp
 
 def test_a_checkpoint_from_before_optimizer_steps_still_loads(tmp_path):
     (tmp_path / "trainer_state.json").write_text(json.dumps({"iteration": 4, "global_step": 16, "peak_mem_gib": 3.5,
-                                                             "args": {}}))
+                                                             "args": {}, "sampler": {}}))
     state = checkpoint.read_checkpoint_state(tmp_path)
     assert state["optimizer_steps"] == 16 and "global_step" not in state
     assert state["start_iterations"] == [1] and state["peak_mem_gib"] == {}
+
+
+def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(lora_transformer, tmp_path):
+    transformer, optimizer = lora_transformer
+    args = crd.Args(train_batch_size=6, output_dir=str(tmp_path))
+    state = {"iteration": 1, "optimizer_steps": 4, "sampler": {}, "args": json.loads(json.dumps(vars(args)))}
+    (tmp_path / "run").mkdir()
+    checkpoint.save_checkpoint(tmp_path / "run", 1, transformer, optimizer, state, keep_last=2)
+    step = tmp_path / "run" / "global_step_1"
+
+    def resume(path):
+        with pytest.raises(checkpoint.RunError) as error:
+            checkpoint.prepare_run(crd.Args(**{**vars(args), "resume_from": str(path)}), "crd", 1, True)
+        return str(error.value)
+
+    assert "--resume-from" in resume(tmp_path / "run") and "not a checkpoint directory" in resume(tmp_path / "run")
+    (step / "trainer_state.json").write_text("[]")
+    assert resume(step) == f"--resume-from {step}: {step / 'trainer_state.json'} is not a trainer state (no args, " \
+                           "iteration and sampler)"
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    adapters = (step / "adapters.safetensors").read_bytes()
+    (step / "adapters.safetensors").write_bytes(adapters[:100])
+    assert resume(step).startswith(f"{step / 'adapters.safetensors'}: not a readable safetensors file (")
+    (step / "adapters.safetensors").write_bytes(adapters)
+    optimizer_state = (step / "optimizer.pt").read_bytes()
+    (step / "optimizer.pt").unlink()
+    assert resume(step) == f"--resume-from {step}: no optimizer.pt in this checkpoint"
+    (step / "optimizer.pt").write_bytes(optimizer_state[: len(optimizer_state) // 2])
+    with pytest.raises(checkpoint.RunError, match=re.escape(f"{step / 'optimizer.pt'}: not a readable optimizer state")):
+        checkpoint.load_checkpoint(step, transformer, optimizer, "cpu")
+
+    (tmp_path / "file").write_text("")
+    for dry_run in (False, True):
+        with pytest.raises(checkpoint.RunError, match=re.escape(f"cannot create the run directory {tmp_path}/file/r")):
+            checkpoint.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=dry_run), "crd", 1,
+                                   True)
 
 
 def test_resume_compares_per_rank_sizes_by_their_global_value():
