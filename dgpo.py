@@ -17,6 +17,7 @@ The defaults are the authors' recipe for CFG-free rollouts; their timestep windo
 """
 
 import json
+import math
 import os
 import signal
 import sys
@@ -227,8 +228,10 @@ def update_snapshots(transformer, args, event, iterations, steps):
     return decays
 
 
-def check_schedules(args):
-    """An EMA schedule whose decay could leave [0, 1] is named before anything loads."""
+def check_algorithm_args(args):
+    """A DGPO setting out of its range, or an EMA schedule whose decay could leave [0, 1], is named before anything
+    loads."""
+    check_numbers(args, {"beta_dpo": (">", 0), "clip_range": (">=", 0), "ref_kl_coef": (">=", 0), "kl_cfg": (">=", 1)})
     slope, maximum = args.old_decay
     if slope < 0 or not 0 <= maximum <= 1:
         fail(f"--old-decay {slope:g} {maximum:g}: needs a slope >= 0 and a max decay in [0, 1]")
@@ -261,11 +264,33 @@ def fail(message):
     sys.exit(f"{Path(sys.argv[0]).name}: error: {message}")
 
 
+def check_numbers(args, bounds):
+    """One line for a float flag that is not finite or not above ('>') or at least ('>=') its bound."""
+    for flag, (op, bound) in bounds.items():
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and (value > bound if op == ">" else value >= bound)):
+            fail(f"--{flag.replace('_', '-')} {value:g}: must be a finite number {op} {bound:g}")
+
+
 def check_args(args):
-    for flag, least in {"resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "num_steps": 2, "train_batch_size": 1,
-                        "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0}.items():
+    for flag, least in {"resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "lora_alpha": 1, "num_steps": 2,
+                        "train_batch_size": 1, "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0,
+                        "eval_steps": 1, "max_sequence_length": 1, "forward_batch_size": 0,
+                        "policy_timesteps_per_forward": 1, "max_nonfinite_steps": 1, "reward_retries": 0, "seed": 0,
+                        "eval_seed": 0}.items():
         if getattr(args, flag) < least:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
+    check_numbers(args, {"learning_rate": (">", 0), "adam_eps": (">", 0), "weight_decay": (">=", 0),
+                         "max_grad_norm": (">", 0), "adv_clip": (">", 0), "reward_timeout": (">", 0),
+                         "eval_guidance": (">=", 1)})
+    if not all(0 <= beta < 1 for beta in args.adam_betas):
+        fail(f"--adam-betas {' '.join(f'{b:g}' for b in args.adam_betas)}: each must lie in [0, 1)")
+    if args.seed >= 2**23:  # image seeds are seed * 2^40 + iteration * 2^20 + image, below 2^63
+        fail(f"--seed {args.seed}: must be below 2^23 = {2**23}")
+    if args.max_sequence_length > 512:
+        fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most 512 tokens")
+    if args.reward == "vllm" and not args.reward_urls:
+        fail("--reward-urls: --reward vllm needs at least one server URL")
     if args.eval_every and args.eval_prompts < 1:
         fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns validation off)")
     if args.overwrite and args.resume_from:
@@ -277,7 +302,7 @@ def check_args(args):
              f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
-    check_schedules(args)
+    check_algorithm_args(args)
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the trained steps of the "
@@ -290,6 +315,8 @@ def check_args(args):
             index = torch.device(name).index if name else None
         except RuntimeError:
             fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
+        if name and torch.device(name).type not in ("cpu", "cuda"):
+            fail(f"--{flag.replace('_', '-')} {name}: the trainers run on cpu or cuda devices")
         if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
             fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
@@ -350,6 +377,8 @@ if __name__ == "__main__":
     try:
         train_set = load_prompts(args.train_data)[0]
         eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
+        if args.eval_every and len(eval_set) < args.eval_prompts and main_process:
+            print(f"--eval-prompts {args.eval_prompts}: {args.eval_data} holds {len(eval_set)}; validating those")
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
         check_model_path(args.model)
         if args.dry_run:  # how run.sh checks a run before it starts a reward server

@@ -15,6 +15,7 @@ settings; grid.png, the first images with their scores.
 
 import hashlib
 import json
+import math
 import signal
 import sys
 import time
@@ -122,6 +123,12 @@ def check_args(args):
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
     if args.num_prompts < 0 or args.grid_images < 0:
         fail("--num-prompts and --grid-images must not be negative")
+    if not (math.isfinite(args.guidance) and args.guidance >= 1):
+        fail(f"--guidance {args.guidance:g}: must be a finite number >= 1 (1: no guidance)")
+    if not 1 <= args.max_sequence_length <= 512:
+        fail(f"--max-sequence-length {args.max_sequence_length}: must lie in [1, 512] (SD3's T5 encoder)")
+    if not 0 <= args.seed < 2**62:
+        fail(f"--seed {args.seed}: must lie in [0, 2^62)")
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
     for flag in ("device", "reward_device", "text_encoder_device"):
@@ -252,7 +259,10 @@ if __name__ == "__main__":
     protocol = f"cfg{args.guidance:g}_{args.num_steps}steps_{args.resolution}px_seed{args.seed}"
     name = args.name or f"{what}__{args.reward}__{protocol}"
     out = Path(args.output_dir) / name
-    (out / "images").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "images").mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        fail(f"--output-dir {args.output_dir}: cannot create {out / 'images'} ({error.strerror or error})")
     results_path = out / "results.jsonl"
     done = read_results(results_path, settings, prompts)
     todo = [i for i in range(len(prompts)) if i not in done]

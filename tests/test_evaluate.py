@@ -3,6 +3,7 @@ base model reproduce a trainer's own validation; stop and resume; bad inputs."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,3 +159,17 @@ def test_bad_input_gives_one_clear_line(extra, message, trained, rank_8_lora, ti
     assert result.returncode != 0 and message in lines[-1] and "Traceback" not in result.stderr, result.stderr[-2000:]
     if "--adapter" in extra:
         assert lines[-1].endswith("holds the adapters old, policy, sampling")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(guidance=0.5), "--guidance 0.5: must be a finite number >= 1 (1: no guidance)"),
+    (dict(guidance=float("nan")), "--guidance nan: must be a finite number >= 1"),
+    (dict(max_sequence_length=0), "--max-sequence-length 0: must lie in [1, 512]"),
+    (dict(seed=2**70), f"--seed {2**70}: must lie in [0, 2^62)"),
+])
+def test_a_setting_out_of_its_range_is_named(flags, message):
+    import evaluate
+
+    evaluate.check_args(evaluate.Args())
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        evaluate.check_args(evaluate.Args(**flags))

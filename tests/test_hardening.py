@@ -1,6 +1,6 @@
 """Run management (checkpoint.py and the trainers' use of it): full disks, permissions, stale temporary checkpoints,
-old checkpoints, resume rules at another world size, --overwrite, an empty run's summary, the --help text, and EMA
-schedules that would leave [0, 1]."""
+old and damaged checkpoints, resume rules at another world size, --overwrite, an empty run's summary, the --help text,
+EMA schedules that would leave [0, 1] and settings out of their range."""
 
 import json
 import os
@@ -263,5 +263,32 @@ def test_a_failing_scorer_returns_nan_and_keeps_its_first_failure(capsys):
 ])
 def test_an_ema_schedule_outside_0_1_is_named(trainer, flags, message):
     trainer.check_args(trainer.Args(train_batch_size=6))  # the defaults pass (train_batch_size as resolved from 0)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        trainer.check_args(trainer.Args(train_batch_size=6, **flags))
+
+
+
+@pytest.mark.parametrize("trainer, flags, message", [
+    (crd, dict(learning_rate=-1.0), "--learning-rate -1: must be a finite number > 0"),
+    (dgpo, dict(learning_rate=float("inf")), "--learning-rate inf: must be a finite number > 0"),
+    (crd, dict(max_grad_norm=0.0), "--max-grad-norm 0: must be a finite number > 0"),
+    (dgpo, dict(adv_clip=float("nan")), "--adv-clip nan: must be a finite number > 0"),
+    (crd, dict(adam_betas=(1.5, 0.9)), "--adam-betas 1.5 0.9: each must lie in [0, 1)"),
+    (crd, dict(eval_guidance=0.5), "--eval-guidance 0.5: must be a finite number >= 1"),
+    (crd, dict(lora_alpha=0), "--lora-alpha 0: must be at least 1"),
+    (dgpo, dict(policy_timesteps_per_forward=0), "--policy-timesteps-per-forward 0: must be at least 1"),
+    (crd, dict(max_nonfinite_steps=0), "--max-nonfinite-steps 0: must be at least 1"),
+    (dgpo, dict(reward_retries=-1), "--reward-retries -1: must be at least 0"),
+    (crd, dict(max_sequence_length=1000), "--max-sequence-length 1000: SD3's T5 encoder takes at most 512 tokens"),
+    (crd, dict(seed=2**24), "--seed 16777216: must be below 2^23 = 8388608"),
+    (dgpo, dict(reward="vllm", reward_urls=[]), "--reward-urls: --reward vllm needs at least one server URL"),
+    (dgpo, dict(device="meta"), "--device meta: the trainers run on cpu or cuda devices"),
+    (crd, dict(crd_beta=0.0), "--crd-beta 0: must be a finite number > 0"),
+    (crd, dict(kl_cfg=float("nan")), "--kl-cfg nan: must be a finite number >= 1"),
+    (dgpo, dict(beta_dpo=-1.0), "--beta-dpo -1: must be a finite number > 0"),
+    (dgpo, dict(clip_range=-0.1), "--clip-range -0.1: must be a finite number >= 0"),
+])
+def test_a_setting_out_of_its_range_is_named(trainer, flags, message):
+    trainer.check_args(trainer.Args(train_batch_size=6))
     with pytest.raises(SystemExit, match=re.escape(message)):
         trainer.check_args(trainer.Args(train_batch_size=6, **flags))
