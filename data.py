@@ -33,18 +33,20 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: prompt file not found")
-    data = path.read_bytes()
+        raise DataError(f"{path}: " + ("a directory, not a prompt file" if path.is_dir() else "prompt file not found"))
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as some editors write
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}); save the file as UTF-8") from None
     records, skipped = [], 0
-    for number, line in enumerate(text.split("\n"), start=1):
+    for number, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), start=1):
         where = f"{path}:{number}"
         if not line.strip():
             continue
+        if "\0" in line:
+            raise DataError(f"{where}: a NUL byte; not a text file of prompts")
         if path.suffix == ".jsonl":
             try:
                 record = json.loads(line)

@@ -105,6 +105,19 @@ def test_a_non_utf8_file_is_named_with_its_line(tmp_path):
     assert_one_line_error(data_cli("--input", tmp_path / "in", "--output-dir", tmp_path / "out"), "test.txt:2: not UTF-8")
 
 
+def test_a_byte_order_mark_and_old_mac_line_ends_are_read_and_a_nul_byte_or_directory_is_named(tmp_path):
+    (tmp_path / "mac.txt").write_bytes(b'\xef\xbb\xbfA sign "One"\rA sign "Two"\r')
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "A sign \\"One\\""}\r\n{"prompt": "x", "target": "Two"}\r\n')
+    (tmp_path / "nul.txt").write_bytes(b'A sign "One"\nA sign \0"Two"\n')
+    assert [(r["prompt"], r["source"]) for r in load_prompts(tmp_path / "mac.txt")[0]] == [
+        ('A sign "One"', f"{tmp_path / 'mac.txt'}:1"), ('A sign "Two"', f"{tmp_path / 'mac.txt'}:2")]
+    assert [r["target"] for r in load_prompts(tmp_path / "bom.jsonl")[0]] == ["One", "Two"]
+    with pytest.raises(DataError, match=r"nul\.txt:2: a NUL byte"):
+        load_prompts(tmp_path / "nul.txt")
+    with pytest.raises(DataError, match="a directory, not a prompt file"):
+        load_prompts(tmp_path)
+
+
 def test_convert_single_files(tmp_path):
     write(tmp_path / "a.txt", 'A sign "One"\n')
     write(tmp_path / "b.jsonl", '{"prompt": "A sign", "target": "Two"}\n')
