@@ -27,7 +27,15 @@ for run in sys.argv[1:]:
     path = Path(run) / "summary.json"
     if not path.is_file():
         sys.exit(f"run.sh compare: {path} not found (did the run finish?)")
-    runs.append((Path(run).name, json.loads(path.read_text())))
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError as error:
+        sys.exit(f"run.sh compare: {path} is not JSON ({error})")
+    keys = ("initial_eval_reward", "final_eval_reward", "best_eval_reward", "best_eval_iteration", "mean_iteration_s",
+            "train_images_per_s", "peak_mem_gib", "iterations", "optimizer_steps")
+    if not isinstance(summary, dict) or not all(key in summary for key in keys):
+        sys.exit(f"run.sh compare: {path} is not a trainer's summary (it lacks {', '.join(keys)})")
+    runs.append((Path(run).name, summary))
 fmt = lambda v, unit="": "n/a" if v is None else f"{v:.4f}{unit}" if isinstance(v, float) else str(v)
 seconds = lambda v: "n/a" if v is None else f"{v:.1f} s"
 status = lambda s: "n/a" if "completed" not in s else "yes" if s["completed"] else f"no: stopped by {s['stopped_by']}"
@@ -70,6 +78,7 @@ for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION T
   [[ ${!name} =~ ^(0|[1-9][0-9]*)$ ]] || { echo "run.sh: error: $name=${!name}: not a whole number" >&2; exit 1; }
 done
 (( NUM_GPUS_ACTOR_ROLLOUT > 0 )) || { echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed" >&2; exit 1; }
+(( REWARD_PORT >= 1 && REWARD_PORT <= 65535 )) || { echo "run.sh: error: REWARD_PORT=$REWARD_PORT: not a TCP port (1-65535)" >&2; exit 1; }
 
 available=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 needed=$((NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD))

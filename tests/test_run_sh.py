@@ -141,6 +141,7 @@ def test_a_trainer_error_is_its_one_line(tmp_path):
     ({"NUM_GPUS_ACTOR_ROLLOUT": "0", "NUM_GPUS_REWARD": "0"}, "NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed"),
     ({"NUM_GPUS_REWARD": "-1"}, "NUM_GPUS_REWARD=-1: not a whole number"),
     ({"GROUP_SIZE": "6x"}, "GROUP_SIZE=6x: not a whole number"),
+    ({"REWARD_PORT": "70000"}, "REWARD_PORT=70000: not a TCP port (1-65535)"),
 ])
 def test_bad_environment_overrides_are_one_line(tmp_path, override, message):
     result = run_sh({**fake_tools(tmp_path), **override}, "crd", timeout=30)

@@ -320,7 +320,7 @@ def test_learning_raises_a_cheap_reward(script, tiny_model_dir, tmp_path):
     assert summary["final_eval_reward"] - summary["initial_eval_reward"] > 2 * spread
 
 
-def test_compare_prints_the_anchor_table_side_by_side(three_iteration_runs):
+def test_compare_prints_the_anchor_table_side_by_side(three_iteration_runs, tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     result = subprocess.run(["bash", "run.sh", "compare", *map(str, three_iteration_runs.values())], cwd=ROOT, env=env,
                             capture_output=True, text=True, check=True)
@@ -336,6 +336,13 @@ def test_compare_prints_the_anchor_table_side_by_side(three_iteration_runs):
     missing = subprocess.run(["bash", "run.sh", "compare", "runs/none", "runs/none"], cwd=ROOT, env=env,
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "runs/none/summary.json not found" in missing.stderr
+    for broken, message in (('{"iterations": 3', "is not JSON"), ("[]", "is not a trainer's summary")):
+        (tmp_path / "broken").mkdir(exist_ok=True)
+        (tmp_path / "broken" / "summary.json").write_text(broken)
+        result = subprocess.run(["bash", "run.sh", "compare", three_iteration_runs["crd.py"], tmp_path / "broken"],
+                                cwd=ROOT, env=env, capture_output=True, text=True)
+        (line,) = result.stderr.splitlines()
+        assert result.returncode == 1 and line.startswith(f"run.sh compare: {tmp_path / 'broken' / 'summary.json'} {message}")
 
 
 def assert_trains_like(run, plain_run):
