@@ -123,7 +123,7 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     report = run_benchmark.main(args)
     out = tmp_path / "bench"
     runs = ("crd_seed3", "dgpo_seed3", "crd_klonly_seed3", "dgpo_klonly_seed3")
-    assert report["return_codes"] == dict.fromkeys(runs, 0)
+    assert report["return_codes"] == dict.fromkeys(runs, 0) and report["failed"] == []
     for name in runs[2:]:
         assert [v for _, v in run_benchmark.scalars(out / "runs" / name, "train/reward_mean")] == [0.0, 0.0]
         # the judge reads what the pool reads: the same base, seeds and words give the same first validation
@@ -151,19 +151,26 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     (dict(trainer_args="--run-name 'a"), "--trainer-args \"--run-name 'a\": No closing quotation"),
     (dict(seeds=[0, 0]), "--seeds 0 0: give one or more distinct seeds"),
     (dict(iterations=0), "--iterations 0: must be at least 1"),
+    (dict(eval_prompts=5), "--eval-prompts 5: more than the task's 4 held-out words (--pretrain.task.test-words)"),
     (dict(algorithms=[]), "--algorithms: give crd, dgpo or both"),
+    (dict(trainer_args="--lerning-rate 1e-4"), "'--lerning-rate 1e-4': not arguments of crd.py (see python crd.py --help)"),
+    (dict(algorithms=["dgpo"], variants=["a=--clip-range -1"]), "--clip-range -1: must be a finite number >= 0"),
     (dict(kl_only_control=True, scorer="paddle"), "--kl-only-control: the reward that reads no text is served by"),
     (dict(kl_only_control=True, variants=["klonly=--seed 1"]), "--variants: the name 'klonly' is --kl-only-control's"),
     (dict(pretrain=dict(eval_every=0)), "pretrain.py: error: --eval-every 0: must be at least 1"),
     (dict(pretrain=dict(task=Task(alphabet="01", length=3))), "--task: 8 words of 3 symbols of '01': too few to hold"),
     (dict(pretrain=dict(task=Task(resolution=100))), "--task.resolution 100: must be a positive multiple of 16"),
+    (dict(pretrain=dict(task=Task(alphabet="0011", length=3))), "--task.alphabet '0011': repeats a symbol"),
+    (dict(pretrain=dict(task=Task(font_size=0))), "--task.font-size 0: must be at least 1"),
+    (dict(pretrain=dict(prompt_dropout=2.0)), "--prompt-dropout 2: must be a finite number in [0, 1]"),
+    (dict(pretrain=dict(learning_rate=float("nan"))), "--learning-rate nan: must be a finite number > 0"),
 ])
 def test_the_benchmark_driver_names_a_bad_argument_before_pretraining(flags, message, tmp_path):
     from benchmark.ocr_proxy import run_benchmark
 
     tiny = _tiny_args(tmp_path / "model")
     pretrain_args = pretrain.Args(**{**vars(tiny), **flags.pop("pretrain", {})})
-    args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=pretrain_args, **flags)
+    args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=pretrain_args, **{"eval_prompts": 2, **flags})
     with pytest.raises(SystemExit, match=re.escape(message)):
         run_benchmark.main(args)
     assert not (tmp_path / "model").exists() and not (tmp_path / "bench").exists()

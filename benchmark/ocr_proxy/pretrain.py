@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import sys
@@ -122,13 +123,28 @@ def check_args(args: Args) -> None:
         sys.exit(f"pretrain.py: error: {message}")
 
     for flag in ("vae_steps", "vae_batch_size", "steps", "batch_size", "eval_every", "eval_words", "validation_steps",
-                 "rollout_steps", "max_sequence_length"):
-        if getattr(args, flag) < 1:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+                 "rollout_steps", "max_sequence_length", "task.font_size"):
+        value = getattr(args.task, flag[5:]) if flag.startswith("task.") else getattr(args, flag)
+        if value < 1:
+            fail(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+    for flag in ("warmup_steps", "ocr_workers"):
+        if getattr(args, flag) < 0:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 0")
+    for flag in ("vae_learning_rate", "learning_rate", "text_encoder_learning_rate"):
+        if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag):g}: must be a finite number > 0")
+    for flag, (low, high) in {"vae_kl_weight": (0, math.inf), "prompt_dropout": (0, 1), "target": (0, math.inf),
+                              "validation_guidance": (1, math.inf)}.items():
+        if not (math.isfinite(getattr(args, flag)) and low <= getattr(args, flag) <= high):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag):g}: must be a finite number in [{low:g}, {high:g}]")
+    if Path(args.out).expanduser().exists() and not Path(args.out).expanduser().is_dir():
+        fail(f"--out {args.out}: a file, not a model directory")
     if args.task.resolution < 16 or args.task.resolution % 16:
         fail(f"--task.resolution {args.task.resolution}: must be a positive multiple of 16 (VAE factor 8 x patch size 2)")
     if not args.task.alphabet or args.task.length < 1 or min(args.task.test_words, args.task.validation_words) < 1:
         fail("--task.alphabet, --task.length, --task.test-words and --task.validation-words: need at least one each")
+    if len(set(args.task.alphabet)) < len(args.task.alphabet):
+        fail(f"--task.alphabet {args.task.alphabet!r}: repeats a symbol, so held-out words would repeat training words")
     try:
         split_words(args.task, args.seed)
     except ValueError as error:

@@ -29,6 +29,7 @@ recipe's CFG 4.5, which guides such a policy a second time; the final scores inc
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -113,6 +114,9 @@ def check_args(args: Args) -> None:
     for flag in ("iterations", "eval_every", "eval_prompts"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.eval_prompts > args.pretrain.task.test_words:
+        fail(f"--eval-prompts {args.eval_prompts}: more than the task's {args.pretrain.task.test_words} held-out words "
+             "(--pretrain.task.test-words)")
     for variant in args.variants:
         name = variant.split("=", 1)[0]
         if "=" not in variant or not name or "/" in name:
@@ -126,6 +130,16 @@ def check_args(args: Args) -> None:
             shlex.split(value)
         except ValueError as error:
             fail(f"--{flag} {value!r}: {error}")
+    for algo in args.algorithms:  # the trainers' own checks, now rather than after minutes of pretraining
+        trainer = importlib.import_module(algo)
+        for variant in args.variants or ["="]:
+            given = shlex.split(args.trainer_args) + shlex.split(variant.split("=", 1)[1])
+            try:
+                trainer_args = tyro.cli(trainer.Args, args=given, console_outputs=False)
+            except SystemExit:
+                fail(f"{shlex.join(given)!r}: not arguments of {algo}.py (see python {algo}.py --help)")
+            trainer_args.train_batch_size = trainer_args.train_batch_size or trainer_args.group_size
+            trainer.check_args(trainer_args)
     pretrain.check_args(args.pretrain)
 
 
@@ -326,19 +340,25 @@ def main(args: Args) -> dict:
                 f"4 prompts x 6 images, PP-OCR reward; base validation {proxy['chosen'][proxy['validation']]:.2f}",
                 proxy["validation"])
     report["phases_s"]["report"] = time.perf_counter() - started
-    (out / "benchmark.json").write_text(json.dumps(report, indent=1))
     for name, run in report["runs"].items():
         if run["eval"]:
             best = max(run["eval"], key=lambda entry: entry[1])
             print(f"{name}: held-out PP-OCR {run['eval'][0][1]:.3f} -> {run['eval'][-1][1]:.3f} (best {best[1]:.3f} "
                   f"at {best[0]}), {run.get('iterations')} iterations")
+    report["failed"] = []
     for name, code in report["return_codes"].items():
-        if code:
-            lines = (runs / f"{name}.log").read_text(errors="replace").strip().splitlines() or [""]
+        if stopped and code in (-signal.SIGTERM, 128 + signal.SIGTERM):
+            print(f"run_benchmark: {name} stopped by the time limit after {report['runs'][name].get('iterations')} "
+                  "iterations", flush=True)
+        elif code:
+            report["failed"].append(name)
+            text = (runs / f"{name}.log").read_text(errors="replace")
+            lines = [line.strip(" │╭╰╮╯─") for line in text.splitlines() if any(c.isalnum() for c in line)] or [""]
             print(f"run_benchmark: {name} failed (exit {code}); {runs / name}.log ends: {lines[-1]}", flush=True)
+    (out / "benchmark.json").write_text(json.dumps(report, indent=1))
     print(f"run_benchmark: phases {report['phases_s']}; outputs in {out}", flush=True)
     return report
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(1 if main(tyro.cli(Args))["failed"] else 0)
