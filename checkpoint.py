@@ -93,6 +93,9 @@ def prepare_run(args, algorithm, world_size, main_process):
         read_adapters(args.resume_from)  # readable before minutes of model loading
         if not (Path(args.resume_from) / "optimizer.pt").is_file():
             raise RunError(f"--resume-from {args.resume_from}: no optimizer.pt in this checkpoint")
+        if args.num_iterations < resumed["iteration"]:
+            raise RunError(f"--num-iterations {args.num_iterations}: {args.resume_from} has done {resumed['iteration']} "
+                           "iterations already")
         refused, allowed = resume_changes(resumed, args, world_size, algorithm)
         if refused:
             raise RunError(f"--resume-from {args.resume_from}: settings that define the run differ from the "

@@ -89,7 +89,7 @@ class Args:
     lora_alpha: int = 64
     """LoRA alpha"""
     forward_batch_size: int = 48
-    """most images in one no-grad transformer forward (rollout, validation, old and reference passes)"""
+    """most images in one no-grad transformer forward (rollout, validation, old and reference passes; 0: all)"""
     policy_timesteps_per_forward: int = 3
     """timesteps of a micro batch in one policy forward and backward (more: faster, more memory)"""
     gradient_checkpointing: bool = False

@@ -124,6 +124,8 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
     assert resume(step) == f"--resume-from {step}: {step / 'trainer_state.json'} is not a trainer state (no args, " \
                            "iteration and sampler)"
     (step / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(checkpoint.RunError, match=re.escape(f"--num-iterations 0: {step} has done 1 iterations already")):
+        checkpoint.prepare_run(crd.Args(**{**vars(args), "resume_from": str(step), "num_iterations": 0}), "crd", 1, True)
     adapters = (step / "adapters.safetensors").read_bytes()
     (step / "adapters.safetensors").write_bytes(adapters[:100])
     assert resume(step).startswith(f"{step / 'adapters.safetensors'}: not a readable safetensors file (")
