@@ -233,7 +233,8 @@ def check_algorithm_args(args):
     loads."""
     check_numbers(args, {"crd_beta": (">", 0), "kl_beta": (">=", 0), "kl_floor": (">=", 0), "kl_cfg": (">=", 1)})
     if args.kl_floor > args.kl_beta:
-        fail(f"--kl-floor {args.kl_floor:g} above --kl-beta {args.kl_beta:g}: the KL weight grows with the advantage")
+        fail(f"--kl-floor {args.kl_floor:g}: must not exceed --kl-beta {args.kl_beta:g} (the KL weight of an image rises "
+             "from floor to beta with its advantage)")
     for flag in ("old_decay", "sampling_decay"):
         _, initial, slope, maximum = getattr(args, flag)  # any start k is fine
         if slope < 0 or not (0 <= initial <= 1 and 0 <= maximum <= 1):

@@ -287,7 +287,7 @@ def test_an_ema_schedule_outside_0_1_is_named(trainer, flags, message):
     (dgpo, dict(device="meta"), "--device meta: the trainers run on cpu or cuda devices"),
     (crd, dict(crd_beta=0.0), "--crd-beta 0: must be a finite number > 0"),
     (crd, dict(kl_cfg=float("nan")), "--kl-cfg nan: must be a finite number >= 1"),
-    (crd, dict(kl_floor=0.5), "--kl-floor 0.5 above --kl-beta 0.1: the KL weight grows with the advantage"),
+    (crd, dict(kl_floor=0.5), "--kl-floor 0.5: must not exceed --kl-beta 0.1"),
     (dgpo, dict(beta_dpo=-1.0), "--beta-dpo -1: must be a finite number > 0"),
     (dgpo, dict(clip_range=-0.1), "--clip-range -0.1: must be a finite number >= 0"),
 ])
