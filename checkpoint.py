@@ -26,7 +26,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from rollout import export_lora, load_lora_state_dict, lora_state_dict
+from rollout import export_lora, load_lora_state_dict, lora_state_dict, safetensors_error
 
 ADAPTERS = ("policy", "old", "sampling")
 RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json")  # what makes a directory hold a run
@@ -90,7 +90,9 @@ def prepare_run(args, algorithm, world_size, main_process):
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
     run_dir = run_directory(args, f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
     if args.resume_from:
-        read_adapters(args.resume_from)  # readable before minutes of model loading
+        adapters = Path(args.resume_from) / "adapters.safetensors"
+        if error := safetensors_error(adapters):  # found before minutes of model loading
+            raise RunError(f"{adapters}: not a readable safetensors file ({error})")
         if not (Path(args.resume_from) / "optimizer.pt").is_file():
             raise RunError(f"--resume-from {args.resume_from}: no optimizer.pt in this checkpoint")
         if args.num_iterations < resumed["iteration"]:

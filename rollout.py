@@ -174,17 +174,16 @@ def check_model_path(model: str) -> None:
         raise RuntimeError(f"--model {model}: no model_index.json in this directory, so not a diffusers pipeline")
 
 
-def _unreadable_safetensors(directory) -> str:
-    """The first .safetensors file under `directory` whose header safetensors cannot read ("" if none)."""
+def safetensors_error(path) -> str | None:
+    """Why safetensors cannot open the file at `path` (a missing, truncated or foreign file), or None: its header and
+    size are checked, no tensor is read."""
     from safetensors import SafetensorError, safe_open
 
-    for path in sorted(Path(directory).rglob("*.safetensors")):
-        try:
-            with safe_open(path, "pt"):
-                pass
-        except (SafetensorError, OSError):
-            return str(path)
-    return ""
+    try:
+        with safe_open(path, "pt"):
+            return None
+    except (SafetensorError, OSError) as error:
+        return str(error)
 
 
 def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -218,7 +217,8 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
         except (OSError, ValueError, KeyError, SafetensorError) as e:  # KeyError: a model_index.json lacking a part
             reason = " ".join(str(e).split())[:300].rstrip(".") or type(e).__name__  # diffusers' name the file
             if isinstance(e, SafetensorError):  # safetensors' does not
-                reason = f"{_unreadable_safetensors(path)}: {reason}"
+                reason = next((f"{f}: {reason}" for f in sorted(Path(path).rglob("*.safetensors"))
+                               if safetensors_error(f)), reason)
             hint = ("" if os.path.isdir(path) else " For the gated stabilityai/stable-diffusion-3.5-medium, log in "
                     "with `hf auth login` and accept the SD3.5 licence on its model page, or pass a local directory "
                     "that holds a diffusers StableDiffusion3Pipeline.")

@@ -123,10 +123,11 @@ def check_args(args: Args) -> None:
         sys.exit(f"pretrain.py: error: {message}")
 
     for flag in ("vae_steps", "vae_batch_size", "steps", "batch_size", "eval_every", "eval_words", "validation_steps",
-                 "rollout_steps", "max_sequence_length", "task.font_size"):
-        value = getattr(args.task, flag[5:]) if flag.startswith("task.") else getattr(args, flag)
-        if value < 1:
-            fail(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+                 "rollout_steps", "max_sequence_length"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.task.font_size < 1:
+        fail(f"--task.font-size {args.task.font_size}: must be at least 1")
     for flag in ("warmup_steps", "ocr_workers"):
         if getattr(args, flag) < 0:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 0")
