@@ -77,16 +77,19 @@ def test_claiming_a_run_directory_removes_stale_temporary_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("torchrun", [False, True])
 def test_a_repeated_signal_exits_at_once_except_under_torchrun(torchrun, monkeypatch):
-    """Real signals to this process: the first asks for a stop; the same one again exits 128 + signal, unless torchrun
-    (which forwards its own copy) launched us; another signal never exits."""
+    """Real signals to this process: the first asks for a stop; a copy within a second is the same request; the same
+    signal later exits 128 + signal, unless torchrun (which forwards its own copy) launched us; another signal never
+    exits."""
     if torchrun:
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         stop = checkpoint.GracefulStop()
         os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # a process group's copy
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.signum == signal.SIGINT
+        time.sleep(stop.SAME_REQUEST_S)
         if torchrun:
             os.kill(os.getpid(), signal.SIGINT)
         else:
@@ -96,6 +99,33 @@ def test_a_repeated_signal_exits_at_once_except_under_torchrun(torchrun, monkeyp
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+def test_a_signal_to_the_trainer_and_then_to_its_process_group_stops_it_gracefully(tmp_path):
+    """GNU timeout sends SIGTERM to the trainer and then to its process group, and Slurm to every process of a job: the
+    trainer gets two copies, milliseconds apart. It still finishes its iteration and saves (here: a wait that stands
+    for them), instead of exiting at the second copy without a checkpoint."""
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import checkpoint\n"
+        "stop = checkpoint.GracefulStop()\n"
+        "print('started', flush=True)\n"
+        "while stop.signum is None:\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(0.5)  # the rest of the iteration and the checkpoint\n"
+        "print('saved', flush=True)\n"
+        "sys.exit(128 + stop.signum)\n")
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    assert process.stdout.readline() == "started\n"
+    os.kill(process.pid, signal.SIGTERM)
+    time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert "saved" in stdout and "exiting now" not in stderr, stderr
+    assert process.returncode == 128 + signal.SIGTERM
 
 
 def test_a_checkpoint_from_before_optimizer_steps_still_loads(tmp_path):
