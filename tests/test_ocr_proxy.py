@@ -128,6 +128,10 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
         assert [v for _, v in run_benchmark.scalars(out / "runs" / name, "train/reward_mean")] == [0.0, 0.0]
         # the judge reads what the pool reads: the same base, seeds and words give the same first validation
         assert report["runs"][name]["eval"][0] == pytest.approx(report["runs"][name.replace("_klonly", "")]["eval"][0])
+        # no advantage and the KL anchor to the unguided base: every adapter's B is still 0, the policy is the base
+        adapters = load_file(out / "runs" / name / "global_step_2" / "adapters.safetensors")
+        assert [k for k, v in adapters.items() if "lora_B" in k and v.count_nonzero()] == []
+        assert any("lora_B" in k for k in adapters)
     for name in runs:
         run = report["runs"][name]
         assert [step for step, _ in run["eval"]] == [0, 1, 2] and run["iterations"] == 2

@@ -5,13 +5,14 @@ PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables
 
 The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it, and
 the default's six runs and pretraining took 590 s on one H200; none: the CPU, slowly). `--variants` sweeps trainer
-settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL anchor to the guided base teaches
-alone), `--final-guidances` scores the final checkpoints at more CFG scales. The reward is PP-OCR: by default the
+settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL anchor teaches alone),
+`--final-guidances` scores the final checkpoints at more CFG scales. The reward is PP-OCR: by default the
 driver serves reward.PaddleScorer's reads from a pool of single-threaded engines to the trainers' `--reward vllm`
 client (the same scores, in parallel; the in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each);
 `--scorer paddle` uses that instead.
 Both algorithms get the same prompts, seeds, iterations, images per iteration and optimizer steps: only the trainer
-script differs. Outputs in --out:
+script differs. Both anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
+anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy. Outputs in --out:
     data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
     runs/{algo}[_{variant}]_seed{S}/   the trainers' run directories (TensorBoard events, summary.json)
     curves.png                   held-out PP-OCR (at the validation protocol) and rollout reward against iteration
@@ -21,9 +22,9 @@ script differs. Outputs in --out:
                                  PP-OCR at every protocol (pool scorer), and the wall time of each phase
 
 The held-out validation uses the pretraining's validation protocol (`--pretrain.validation-guidance`, default CFG 1,
-and `--pretrain.validation-steps`, 40): the policy is trained to sample without guidance (CFG-1 rollouts, a KL anchor
-to the guided base), and Flow-Factory's CRD example validates it so (examples/crd/lora/sd3_5/default.yaml, lines
-109-110; official DGPO's wocfg configs validate at their sampling CFG of 1 too). The trainers' own default is the
+and `--pretrain.validation-steps`, 40): the policy is trained to sample without guidance (CFG-1 rollouts), and
+Flow-Factory's CRD example validates it so (examples/crd/lora/sd3_5/default.yaml, lines 109-110; official DGPO's
+wocfg configs validate at their sampling CFG of 1 too). The trainers' own default is the
 recipe's CFG 4.5, which guides such a policy a second time; the final scores include it.
 """
 
@@ -95,8 +96,9 @@ class Args:
     {algo}_{NAME}_seed{S}, e.g. '--variants default= lr1e-4=--learning-rate 1e-4'; none: runs {algo}_seed{S}"""
     kl_only_control: bool = False
     """also run every algorithm and seed with a reward that reads no text (every score 0, so every advantage 0), as
-    runs {algo}_klonly_seed{S}: what the KL anchor to the CFG-guided base teaches the CFG-1 policy without the reward,
-    the guidance-distillation part of the other runs' gain. Their held-out curve is the trainers' PP-OCR judge"""
+    runs {algo}_klonly_seed{S}: what the KL anchor teaches the CFG-1 policy without the reward (to the unguided base:
+    nothing; with --trainer-args=--kl-cfg 4.5: guidance distillation). Their held-out curve is the trainers' PP-OCR
+    judge"""
     final_guidances: list[float] = field(default_factory=list)
     """CFG scales at which the base and each run's last checkpoint are also scored after training (at the validation
     protocol's steps), beside the validation, rollout (CFG 1, 10 steps) and recipe (CFG 4.5, 40 steps) protocols"""
@@ -171,6 +173,11 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                # launch-bound (same numbers up to float rounding; six runs sharing one H200: 2.2-2.4 -> 1.6-1.8 s an
                # iteration, benchmark/RESULTS.md "v4")
                "--forward-batch-size", "512", "--policy-timesteps-per-forward", "9",
+               # the KL anchor without guidance: the anchors' CFG-4.5 anchor distils guidance into the CFG-1 policy,
+               # which on this proxy alone gives all of the held-out gain (RESULTS.md "v4": a control with no reward
+               # rose as far); to the unguided base, that control stays at the base to the bit ("v5"), so the curves
+               # are the reward's. --trainer-args=--kl-cfg 4.5 restores the trainers' default
+               "--kl-cfg", "1",
                *shlex.split(args.trainer_args), *shlex.split(variant_args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu)}
     print("+ " + " ".join(command), flush=True)
@@ -253,7 +260,8 @@ def plot_curves(curves: dict, path: Path, title: str, validation: str) -> None:
         ax.set_xlabel("iteration")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a control alone has no rollout reward to plot
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
