@@ -39,7 +39,7 @@ from tqdm import tqdm
 from checkpoint import (GracefulStop, RunError, actor_peak_memory, load_checkpoint, other_gpus_memory, prepare_run,
                         save_last_iteration, write_summary)
 from data import DataError, GroupSampler, load_prompts
-from reward import SCORERS, GuardedScorer, make_scorer
+from reward import SCORERS, GuardedScorer, check_reward_model, make_scorer
 from rollout import (CompileCache, add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      ema_update_, encode_prompts, load_pipeline, lora_parameters, negative_embeddings,
                      predict_velocity, sample, use_adapter, warn_cut_targets)
@@ -379,8 +379,15 @@ if __name__ == "__main__":
         eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
         if args.eval_every and len(eval_set) < args.eval_prompts and main_process:
             print(f"--eval-prompts {args.eval_prompts}: {args.eval_data} holds {len(eval_set)}; validating those")
+        if args.eval_every and Path(args.eval_data).resolve() == Path(args.train_data).resolve() and main_process:
+            print(f"--eval-data {args.eval_data} is --train-data: validation scores training prompts, not held-out ones")
+        if len(train_set) < args.prompts_per_rank * world_size:
+            fail(f"--train-data {args.train_data}: {len(train_set)} prompt(s), fewer than the --prompts-per-rank "
+                 f"{args.prompts_per_rank} x {world_size} rank(s) of one iteration")
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
         check_model_path(args.model)
+        if args.reward == "qwen-vl":
+            check_reward_model(args.reward_model)
         if args.dry_run:  # how run.sh checks a run before it starts a reward server
             print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval prompts")
             sys.exit(0)
@@ -390,6 +397,11 @@ if __name__ == "__main__":
                                            max_retries=args.reward_retries))  # a failure: NaN scores, see below
         pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                              text_encoder_device=args.text_encoder_device or None)
+        config = pipe.transformer.config  # SD3 crops its position embedding: a larger image fails at the first sample
+        largest = config.pos_embed_max_size * config.patch_size * pipe.vae_scale_factor
+        if args.resolution > largest:
+            fail(f"--resolution {args.resolution}: this model generates at most {largest} px (pos_embed_max_size "
+                 f"{config.pos_embed_max_size} x patch {config.patch_size} x VAE {pipe.vae_scale_factor})")
         judge = None
         if main_process and args.eval_every and args.eval_judge not in ("none", args.reward):
             judge = make_scorer(args.eval_judge)

@@ -136,6 +136,18 @@ class PaddleScorer:
         return _score_texts([self.read(image) for image in _to_pil(images)], targets)
 
 
+def check_reward_model(model_path: str) -> None:
+    """A RuntimeError naming --reward-model when it is meant as a local directory (it exists, or it is not a hub id
+    `name` or `org/name`) and is not one holding a transformers model; transformers would call it a bad repo id."""
+    path = Path(model_path).expanduser()
+    if not path.exists() and re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", model_path):
+        return  # a hub id
+    if not path.is_dir():
+        raise RuntimeError(f"--reward-model {model_path}: " + ("not a directory" if path.exists() else "no such directory"))
+    if not (path / "config.json").is_file():
+        raise RuntimeError(f"--reward-model {model_path}: no config.json in this directory, so not a transformers model")
+
+
 class QwenVLScorer:
     """Qwen2.5-VL-Instruct through transformers: batched greedy transcription, scored against the targets.
 
@@ -154,6 +166,7 @@ class QwenVLScorer:
         if model_path == RANDOM_QWEN:  # nothing to download: built directly on the device, never saved
             self.tokenizer, self.image_processor, model = _random_qwen_vl(QWEN_3B, self.device, dtype)
         else:
+            check_reward_model(model_path)
             try:
                 self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")  # generate appends
                 self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)

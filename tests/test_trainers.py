@@ -247,6 +247,9 @@ def test_a_signal_finishes_the_iteration_saves_and_says_the_run_stopped(signum, 
     (["--train-batch-size", "6"], "--train-batch-size 6 must be a multiple of --group-size 4"),
     (["--group-size", "1"], "centering needs at least 2"),
     (["--resolution", "60"], "not a multiple of 16"),
+    (["--resolution", "1040"], "--resolution 1040: this model generates at most 1024 px (pos_embed_max_size 64 x patch 2"),
+    (["--prompts-per-rank", "41"], f"--train-data {DATA / 'train.txt'}: 40 prompt(s), fewer than the --prompts-per-rank 41"),
+    (["--reward", "qwen-vl", "--reward-model", "/nonexistent/qwen"], "--reward-model /nonexistent/qwen: no such directory"),
     (["--resolution", "0"], "--resolution 0: must be at least 16"),
     (["--prompts-per-rank", "0"], "--prompts-per-rank 0: must be at least 1"),
     (["--eval-prompts", "0"], "--eval-prompts 0: validation needs a prompt (--eval-every 0 turns validation off)"),
@@ -275,6 +278,9 @@ def test_an_empty_target_is_named_before_anything_loads(tiny_model_dir, tmp_path
 def test_dry_run_checks_and_exits_without_a_run(tiny_model_dir, tmp_path):
     result = train("crd.py", tiny_model_dir, tmp_path, "--dry-run")
     assert "dry run: arguments valid, 40 train and 4 eval prompts" in result.stdout and not list(tmp_path.iterdir())
+    assert "not held-out" not in result.stdout
+    same = train("crd.py", tiny_model_dir, tmp_path, "--dry-run", "--eval-data", DATA / "train.txt")
+    assert f"--eval-data {DATA / 'train.txt'} is --train-data: validation scores training prompts" in same.stdout
 
 
 def test_reward_server_is_checked_before_the_model_loads(tiny_model_dir, tmp_path):
