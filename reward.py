@@ -242,7 +242,8 @@ class VLLMScorer:
             raise ServerError(f"no vLLM server at {url} ({type(e).__name__}); start one with "
                               f"`vllm serve {self.model}`, or pass the URL of a running one") from None
         except self.requests.RequestException as e:  # a malformed URL
-            raise ServerError(f"reward server URL {url}: {e}") from None
+            hint = "; write it as http://HOST:PORT" if "://" not in url else ""
+            raise ServerError(f"reward server URL {url}: {e}{hint}") from None
         try:
             served = [entry["id"] for entry in response.json()["data"]] if response.status_code == 200 else None
         except (ValueError, KeyError, TypeError):

@@ -214,7 +214,7 @@ def test_vllm_scorer_probes_its_servers_when_built(paddle):
     url = closed_port_url()
     with pytest.raises(ServerError, match=f"no vLLM server at {url} .ConnectionError.; start one with `vllm serve"):
         make_scorer("vllm", urls=[url], timeout=1.0, max_retries=1)
-    with pytest.raises(ServerError, match="reward server URL 127.0.0.1:8000: No connection adapters"):
+    with pytest.raises(ServerError, match="reward server URL 127.0.0.1:8000: No connection adapters.*; write it as http://HOST:PORT"):
         make_scorer("vllm", urls=["127.0.0.1:8000"])  # no scheme
     with ocr_server(paddle.read, silent=True) as (silent_url, _):  # accepts connections, never answers
         start = time.monotonic()
