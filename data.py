@@ -24,12 +24,13 @@ class DataError(ValueError):
 
 
 def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[dict], int]:
-    """Read a .jsonl (objects with a "prompt" string and an optional "target" string) or a raw .txt (one prompt a line).
+    """Read JSON Lines (a .jsonl or .json file, any case: one object a line, with a "prompt" string and an optional
+    "target" string) or raw text (any other name: one prompt a line).
 
     Empty lines are ignored. Each record is {"prompt", "target", "source"}, the source being its "file:line" for
     later messages. A line without a target, or with an empty one (`""`, which a blank image would match), is an
-    error naming file and line, unless `skip_untargeted`: then it is skipped and counted. Returns the records and
-    the number skipped.
+    error naming file and line, unless `skip_untargeted`: then it is skipped and counted. A JSON object in raw text
+    (a misnamed JSON Lines file) is always an error. Returns the records and the number skipped.
     """
     path = Path(path)
     if not path.is_file():
@@ -40,6 +41,7 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}); save the file as UTF-8") from None
+    json_lines = path.suffix.lower() in (".jsonl", ".json")
     records, skipped = [], 0
     for number, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), start=1):
         where = f"{path}:{number}"
@@ -47,12 +49,13 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
             continue
         if "\0" in line:
             raise DataError(f"{where}: a NUL byte; not a text file of prompts")
-        if path.suffix == ".jsonl":
+        if json_lines:
             try:
                 record = json.loads(line)
                 prompt, target = record["prompt"], record.get("target")
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
-                raise DataError(f"{where}: not a JSON object with a 'prompt' ({error})") from None
+                reason = "one object a line, not a JSON array" if line.lstrip().startswith("[") else error
+                raise DataError(f"{where}: not a JSON object with a 'prompt' ({reason})") from None
             if not isinstance(prompt, str) or not prompt.strip():
                 raise DataError(f"{where}: 'prompt' must be a non-empty string, not {prompt!r:.60}")
             if target is None:
@@ -61,6 +64,13 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
                 raise DataError(f"{where}: 'target' must be a string, not {target!r:.60}")
         else:
             prompt = line.strip()
+            try:
+                json_object = prompt.startswith("{") and isinstance(json.loads(prompt), dict)
+            except json.JSONDecodeError:
+                json_object = False
+            if json_object:  # its first quoted word, "prompt", would become the target
+                raise DataError(f"{where}: a JSON object in a raw text file of prompts; "
+                                "name the file .jsonl to read it as JSON Lines")
             target = extract_target(prompt)
         if target is None or not target.strip():
             if not skip_untargeted:
@@ -77,7 +87,7 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
 def convert(inputs: list[str | Path], output_dir: str | Path, skip_untargeted: bool = False) -> dict[str, tuple[int, int]]:
     """Convert prompt files to output_dir/{name}.jsonl; returns {name: (written, skipped)}.
 
-    Each input is a .txt or .jsonl file (name: its stem) or a folder holding Flow-GRPO's train.txt and test.txt.
+    Each input is a .txt, .jsonl or .json file (name: its stem) or a folder holding Flow-GRPO's train.txt and test.txt.
     Every input is read and checked before anything is written, and each output is written whole or not at all.
     """
     files = [f for p in map(Path, inputs) for f in ([p / "train.txt", p / "test.txt"] if p.is_dir() else [p])]
@@ -143,8 +153,8 @@ class GroupSampler:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, help="prompt files (.txt, one prompt a line, or .jsonl), "
-                        "or folders holding Flow-GRPO's train.txt and test.txt")
+    parser.add_argument("--input", nargs="+", required=True, help="prompt files (.txt, one prompt a line, or .jsonl "
+                        "or .json, one object a line), or folders holding Flow-GRPO's train.txt and test.txt")
     parser.add_argument("--output-dir", required=True, help="where {name}.jsonl is written for each input file")
     parser.add_argument("--skip-untargeted", action="store_true",
                         help="skip (and count) lines with no quoted target or an empty one")

@@ -123,19 +123,26 @@ def _build_components(config: dict, text_encoder_device: str | torch.device | No
 
 
 def cache_root() -> Path:
-    """$CRD_CACHE, by default ~/.cache/crd: the tiny model and the compile cache."""
-    return Path(os.environ.get("CRD_CACHE", Path.home() / ".cache" / "crd"))
+    """$CRD_CACHE, by default (unset or empty) ~/.cache/crd: the tiny model and the compile cache."""
+    return Path(os.environ.get("CRD_CACHE") or Path.home() / ".cache" / "crd")  # empty is not the current directory
 
 
 def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
-    """The tiny model's directory, built (with a fixed seed) and saved on first use."""
+    """The tiny model's directory, built (with a fixed seed) and saved on first use. A RuntimeError names CRD_CACHE
+    (or `cache_dir`) when the build cannot start there: a file in the way, or no permission."""
     from diffusers import StableDiffusion3Pipeline
 
     path = Path(cache_dir or cache_root() / TINY_DIR_NAME)
     if (path / "model_index.json").exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    except OSError as error:  # its own message names neither CRD_CACHE nor the problem: "[Errno 17] File exists"
+        reason = "not a directory" if isinstance(error, FileExistsError) else error.strerror or str(error)
+        where = f"cache_dir {path}: its parent" if cache_dir else f"CRD_CACHE {path.parent}"
+        role = "" if cache_dir else " (the cache of the tiny model and the compile cache)"
+        raise RuntimeError(f"{where}: {reason}{role}") from None
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)

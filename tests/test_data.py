@@ -97,6 +97,30 @@ def test_wrongly_typed_jsonl_fields_are_named(tmp_path, line, message):
     assert str(error.value).startswith(str(tmp_path / message))
 
 
+@pytest.mark.parametrize("name", ["p.json", "p.JSONL", "p.Json"])
+def test_json_and_upper_case_jsonl_files_are_read_as_json_lines(tmp_path, name):
+    path = write(tmp_path / name, '{"prompt": "a sign saying \\"hello\\"", "target": "hello"}\n')
+    assert [(r["prompt"], r["target"]) for r in load_prompts(path)[0]] == [('a sign saying "hello"', "hello")]
+    convert([path], tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "p.jsonl").read_text()) == {"prompt": 'a sign saying "hello"', "target": "hello"}
+
+
+@pytest.mark.parametrize("text", ['[{"prompt": "A sign \\"One\\""}]\n', '[\n  {"prompt": "A sign \\"One\\""}\n]\n'],
+                         ids=["one-line", "indented"])
+def test_a_json_array_file_is_named_with_its_line(tmp_path, text):
+    with pytest.raises(DataError, match=r"p\.json:1: not a JSON object with a 'prompt' \(one object a line, not a JSON array\)"):
+        load_prompts(write(tmp_path / "p.json", text))
+
+
+def test_a_json_object_in_raw_text_is_named_not_read_as_a_prompt(tmp_path):
+    """Read as raw text, its target would be its first quoted word, "prompt"; braces that are not JSON (line 1) are
+    part of a prompt."""
+    path = write(tmp_path / "p.txt", '{Sale} sign "Open"\n{"prompt": "a sign saying \\"hello\\"", "target": "hello"}\n')
+    for skip_untargeted in (False, True):
+        with pytest.raises(DataError, match=r"p\.txt:2: a JSON object in a raw text file of prompts; name the file \.jsonl"):
+            load_prompts(path, skip_untargeted)
+
+
 def test_a_non_utf8_file_is_named_with_its_line(tmp_path):
     write(tmp_path / "in" / "train.txt", 'A sign "One"\n')
     (tmp_path / "in" / "test.txt").write_bytes('A sign "One"\nUn café "Crème"\n'.encode("latin-1"))

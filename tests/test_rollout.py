@@ -500,6 +500,21 @@ def test_tiny_build_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-sd3"]
 
 
+def test_an_empty_crd_cache_is_the_default_not_the_current_directory(monkeypatch):
+    monkeypatch.setenv("CRD_CACHE", "")
+    assert rollout.cache_root() == Path.home() / ".cache" / "crd"
+
+
+def test_crd_cache_naming_a_file_is_one_line(tmp_path, monkeypatch):
+    taken = tmp_path / "taken"
+    taken.write_text("a file\n")
+    role = re.escape("(the cache of the tiny model and the compile cache)")
+    for cache, problem in ((taken, "not a directory"), (taken / "sub", "Not a directory")):
+        monkeypatch.setenv("CRD_CACHE", str(cache))
+        with pytest.raises(RuntimeError, match=f"^CRD_CACHE {re.escape(str(cache))}: {problem} {role}$"):
+            rollout.load_pipeline(rollout.TINY)
+
+
 def test_random_medium_has_sd35_medium_size():
     pipe = rollout.load_pipeline(rollout.RANDOM_MEDIUM, device="meta", dtype=torch.bfloat16)
 
