@@ -9,6 +9,7 @@ before it trains on the failed iteration, saving the one before; the summary the
 """
 
 import fcntl
+import hashlib
 import json
 import os
 import pickle
@@ -23,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from rollout import export_lora, load_lora_state_dict, lora_state_dict, safetensors_error
+from rollout import export_lora, load_lora_state_dict, lora_state_dict
 
 ADAPTERS = ("policy", "old", "sampling")
 RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json")  # what makes a directory hold a run
@@ -45,6 +46,48 @@ SAFE_TO_CHANGE_ON_RESUME = {
 # Per-rank sizes define the run through their global value (x world size): a resume at another world size may change
 # them as long as the prompts per iteration and the images per optimizer step stay the same.
 PER_RANK = {"prompts_per_rank": "prompts per iteration", "train_batch_size": "images per optimizer step"}
+# How a start finds (or replaces) its run, not settings of it: a resume continues the checkpoint's run directory, and
+# run_directory refuses an --output-dir/--run-name naming another, so their values (defaults when not given) are no
+# changes to report
+RUN_LOCATION = ("resume_from", "overwrite", "output_dir", "run_name")
+# The prompt files, whose contents a checkpoint records (sha256): a resume needs the prompts the run trained on
+PROMPT_FILES = {"train_data": "--train-data", "eval_data": "--eval-data"}
+
+
+def whole(value, least=0):
+    """Whether a JSON value is a whole number >= least (true and false are not numbers here)."""
+    return type(value) is int and value >= least
+
+
+def number(value):
+    return type(value) in (int, float)
+
+
+def eval_entry(entry):
+    """[iteration, reward (NaN: its scorer failed), judge's reward or null (absent in older checkpoints)]."""
+    return (type(entry) is list and len(entry) in (2, 3) and whole(entry[0]) and number(entry[1])
+            and (len(entry) == 2 or entry[2] is None or number(entry[2])))
+
+
+# What each field of trainer_state.json must hold, and how the error says it: the trainers use them unchecked, some only
+# after the model loaded or an iteration ran. Fields older checkpoints lack are given defaults first, or (these) checked
+# when present.
+STATE_FIELDS = {
+    "args": (lambda v: type(v) is dict, "an object (the run's settings)"),
+    "iteration": (whole, "a whole number >= 0"),
+    "optimizer_steps": (whole, "a whole number >= 0"),
+    "sampler": (lambda v: type(v) is dict and whole(v.get("epoch")) and whole(v.get("position")),
+                'an object {"epoch": whole number >= 0, "position": whole number >= 0}'),
+    "eval": (lambda v: type(v) is list and all(map(eval_entry, v)),
+             "a list of [iteration, reward, judge's reward or null] entries"),
+    "iteration_s": (lambda v: type(v) is list and all(map(number, v)), "a list of numbers"),
+    "start_iterations": (lambda v: type(v) is list and all(whole(i, 1) for i in v), "a list of whole numbers >= 1"),
+    "peak_mem_gib": (lambda v: all(map(number, v.values())), "an object of numbers"),
+    "world_size": (lambda v: whole(v, 1), "a whole number >= 1"),
+    "algorithm": (lambda v: type(v) is str, "a string"),
+    "data_sha256": (lambda v: type(v) is dict and all(type(h) is str for h in v.values()), "an object of strings"),
+}
+NEWER_STATE_FIELDS = {"world_size", "algorithm", "data_sha256"}
 
 
 class RunError(Exception):
@@ -60,16 +103,17 @@ def resume_changes(checkpoint_state, args, world_size, algorithm):
     refused, allowed = [], []
     for name in sorted(saved.keys() | current.keys()):
         old, new = saved.get(name, "(absent)"), current.get(name, "(absent)")
-        if name in PER_RANK and "(absent)" not in (old, new):
+        if name in PER_RANK and whole(old) and whole(new):  # a damaged or absent one is reported as it is
             old, new = old * saved_world, new * world_size
             name = f"{PER_RANK[name]} ({name} x ranks)"
-        if old != new and name not in ("resume_from", "overwrite"):
+        if old != new and name not in RUN_LOCATION:
             (allowed if name in SAFE_TO_CHANGE_ON_RESUME else refused).append(f"{name} {old} -> {new}")
     return refused, allowed
 
 
 def read_checkpoint_state(checkpoint):
-    """trainer_state.json of a checkpoint directory; checkpoints before `optimizer_steps` called it `global_step`."""
+    """trainer_state.json of a checkpoint directory, its fields checked (STATE_FIELDS); checkpoints before
+    `optimizer_steps` called it `global_step`."""
     path = Path(checkpoint) / "trainer_state.json"
     try:
         state = json.loads(path.read_text())
@@ -81,18 +125,21 @@ def read_checkpoint_state(checkpoint):
     state.setdefault("start_iterations", [1])
     if not isinstance(state.get("peak_mem_gib"), dict):  # older checkpoints: rank 0's peak alone
         state["peak_mem_gib"] = {}
+    for field, (valid, what) in STATE_FIELDS.items():
+        if (field in state or field not in NEWER_STATE_FIELDS) and not valid(state.get(field)):
+            raise RunError(f'{path}: "{field}" must be {what}')
     return state
 
 
 def prepare_run(args, algorithm, world_size, main_process):
-    """Before any model loads: the run directory, checked and (main process) locked, with a resume's settings checked
-    against its checkpoint's. Returns (run directory, lock file to keep open or None)."""
+    """Before any model loads: the run directory, checked and (main process) locked, with a resume's checkpoint checked
+    (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
+    the checkpoint's. Returns (run directory, lock file to keep open or None)."""
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
     run_dir = run_directory(args, f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
     if args.resume_from:
         adapters = Path(args.resume_from) / "adapters.safetensors"
-        if error := safetensors_error(adapters):  # found before minutes of model loading
-            raise RunError(f"{adapters}: not a readable safetensors file ({error})")
+        shapes = tensor_shapes(adapters)  # found before minutes of model loading
         if not (Path(args.resume_from) / "optimizer.pt").is_file():
             raise RunError(f"--resume-from {args.resume_from}: no optimizer.pt in this checkpoint")
         if args.num_iterations < resumed["iteration"]:
@@ -103,6 +150,14 @@ def prepare_run(args, algorithm, world_size, main_process):
             raise RunError(f"--resume-from {args.resume_from}: settings that define the run differ from the "
                            f"checkpoint's: {'; '.join(refused)} (resume with the checkpoint's values or start a new "
                            "run)")
+        if error := adapters_error(shapes, args.lora_rank):  # the checkpoint's rank: another one is refused above
+            raise RunError(f"{adapters}: {error}")
+        recorded = resumed.get("data_sha256", {})  # none in older checkpoints: they resume unchecked
+        for field, now in prompt_files_sha256(vars(args)).items():  # the checkpoint's paths: others are refused above
+            if recorded.get(field, now) != now:
+                raise RunError(f"{PROMPT_FILES[field]} {getattr(args, field)}: its contents changed since "
+                               f"{Path(args.resume_from).name} (sha256 {recorded[field][:12]}... then, {now[:12]}... "
+                               "now); a resume needs the same prompts (restore the file, or start a new run)")
         if allowed and main_process:
             print(f"resuming with changed settings: {'; '.join(allowed)}", flush=True)
     if not main_process:
@@ -200,8 +255,11 @@ class GracefulStop:
 
 def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
     """Write global_step_{iteration}/ atomically (a temporary directory renamed at the end), readable as the user's
-    umask allows, and keep the latest keep_last (0: all). A full disk or another write error: RunError naming the latest
-    complete checkpoint, nothing half-written left."""
+    umask allows, and keep the latest keep_last (0: all). Its trainer_state.json is `state` with the sha256 of the
+    prompt files its args name ("data_sha256"), which a resume compares. A full disk or another write error: RunError
+    naming the latest complete checkpoint, nothing half-written left."""
+    if hashes := prompt_files_sha256(state.get("args", {})):
+        state = {**state, "data_sha256": hashes}
     try:
         partial = Path(tempfile.mkdtemp(prefix=f".global_step_{iteration}.", dir=run_dir))
         try:
@@ -239,14 +297,50 @@ def save_last_iteration(run_dir, state, transformer, optimizer, keep_last):
         sys.exit(f"{Path(sys.argv[0]).name}: error: {error}")
 
 
+def prompt_files_sha256(run_args):
+    """{Args field: hex sha256 of its file's contents} of the PROMPT_FILES that a run's Args (a dict) name and that can
+    be read (one that cannot is the trainers' error, where they load it)."""
+    hashes = {}
+    for field in PROMPT_FILES:
+        try:
+            hashes[field] = hashlib.sha256(Path(run_args[field]).read_bytes()).hexdigest()
+        except (KeyError, TypeError, OSError):
+            pass
+    return hashes
+
+
 def checkpoints(run_dir):
     """The complete checkpoints of a run directory, oldest first."""
     return sorted(Path(run_dir).glob("global_step_*"), key=lambda p: int(p.name.split("_")[-1]))
 
 
+def tensor_shapes(path):
+    """{key: shape} of a safetensors file, from its header and size (no tensor is read); RunError if it is missing,
+    truncated or foreign."""
+    try:
+        with safe_open(path, "pt") as tensors:
+            return {key: tensors.get_slice(key).get_shape() for key in tensors.keys()}
+    except (SafetensorError, OSError) as error:
+        raise RunError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+def adapters_error(shapes, rank):
+    """Why tensors {key: shape} are not an adapters.safetensors of LoRA rank `rank`, or None: each key is
+    "{adapter}.{LoRA key}", a lora_A weight is (rank, in) and a lora_B weight (out, rank)."""
+    for key, shape in shapes.items():
+        if "." not in key:
+            return f'the tensor "{key}" names no adapter (its keys are "<adapter>.<LoRA key>")'
+        rank_dim = 0 if ".lora_A." in key else 1 if ".lora_B." in key else None
+        if rank_dim is not None and (len(shape) != 2 or shape[rank_dim] != rank):
+            return (f"{key} has the shape {tuple(shape)}, not a rank-{rank} LoRA's (trainer_state.json records "
+                    f"lora_rank {rank})")
+    return None
+
+
 def read_adapters(checkpoint):
     """({adapter name: LoRA {key: tensor}}, the run's Args as saved) of a checkpoint directory, for tools that load a
-    trained adapter beside the trainers (evaluate.py, the benchmarks); RunError names what is missing."""
+    trained adapter beside the trainers (evaluate.py, the benchmarks); RunError names what is missing or does not fit
+    the recorded lora_rank."""
     path = Path(checkpoint)
     if not (path / "trainer_state.json").is_file() or not (path / "adapters.safetensors").is_file():
         raise RunError(f"{path}: not a checkpoint directory (no trainer_state.json and adapters.safetensors)")
@@ -254,13 +348,15 @@ def read_adapters(checkpoint):
         state = json.loads((path / "trainer_state.json").read_text())
     except ValueError as error:
         raise RunError(f"{path / 'trainer_state.json'}: not JSON ({error})") from None
-    trained = state.get("args", {}) if isinstance(state, dict) else {}
-    if "lora_rank" not in trained:
-        raise RunError(f"{path}: its trainer_state.json records no Args (lora_rank, lora_alpha)")
+    trained = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(trained, dict) or not all(whole(trained.get(name), 1) for name in ("lora_rank", "lora_alpha")):
+        raise RunError(f"{path}: its trainer_state.json records no Args (lora_rank, lora_alpha: whole numbers >= 1)")
     try:
         tensors = load_file(path / "adapters.safetensors")
     except (SafetensorError, OSError) as error:
         raise RunError(f"{path / 'adapters.safetensors'}: not a readable safetensors file ({error})") from None
+    if error := adapters_error({key: value.shape for key, value in tensors.items()}, trained["lora_rank"]):
+        raise RunError(f"{path / 'adapters.safetensors'}: {error}")
     adapters = {}
     for key, value in tensors.items():
         name, lora_key = key.split(".", 1)
@@ -275,7 +371,11 @@ def load_checkpoint(path, transformer, optimizer, device):
     if missing:
         raise RunError(f"{Path(path) / 'adapters.safetensors'}: no {', '.join(missing)} adapter")
     for name in ADAPTERS:
-        load_lora_state_dict(transformer, name, adapters[name])
+        try:
+            load_lora_state_dict(transformer, name, adapters[name])
+        except (KeyError, RuntimeError) as error:  # other LoRA keys or layer sizes: a checkpoint of another model
+            raise RunError(f"{Path(path) / 'adapters.safetensors'}: its {name} adapter does not fit the model "
+                           f"({error.args[0]})") from None
     try:
         optimizer.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location=device, weights_only=True))
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as error:

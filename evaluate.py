@@ -137,6 +137,8 @@ def check_args(args):
             index = torch.device(name).index if name else None
         except RuntimeError:
             fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
+        if name and torch.device(name).type not in ("cpu", "cuda"):
+            fail(f"--{flag.replace('_', '-')} {name}: evaluate.py runs on cpu or cuda devices")
         if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
             fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
@@ -189,25 +191,69 @@ def read_lora(args):
     return state, sha256(*files)
 
 
+def check_lora_fits(transformer, targets, source):
+    """Fail in one line if the LoRA's layers (`targets`) are not all `transformer`'s: a LoRA of another model.
+    `source`: the flag and path it came from."""
+    lacking = sorted(set(targets) - {name for name, _ in transformer.named_modules()})
+    if lacking:
+        more = f", ({len(lacking) - 3} more)" if len(lacking) > 3 else ""
+        fail(f"{source}: the LoRA does not fit the model: its keys name layers the model lacks: "
+             f"{', '.join(lacking[:3])}{more}")
+
+
+def check_resolution(pipe, resolution):
+    """Fail in one line if the model cannot generate `resolution` pixels a side: its position embedding covers at most
+    pos_embed_max_size patches a side (None: no limit)."""
+    config = pipe.transformer.config
+    if config.pos_embed_max_size is None:
+        return
+    most = config.pos_embed_max_size * config.patch_size * pipe.vae_scale_factor
+    if resolution > most:
+        fail(f"--resolution {resolution}: this model generates at most {most} px (pos_embed_max_size "
+             f"{config.pos_embed_max_size} x patch {config.patch_size} x VAE {pipe.vae_scale_factor})")
+
+
 def read_results(path, settings, prompts):
     """{index: record} of the prompts already scored in results.jsonl; a new file (settings line only) if none.
 
-    A line cut by a kill is dropped. A file written with other settings, or for other prompts, is an error."""
+    A line cut by a kill is dropped. A file written with other settings, or for other prompts, is an error; so is a
+    line that is not what this script writes, named by its number."""
     raw = path.read_bytes() if path.is_file() else b""
     complete = raw[: raw.rfind(b"\n") + 1]
     if not complete:
         path.write_text(json.dumps({"settings": settings}) + "\n")
         return {}
-    try:
-        lines = [json.loads(line) for line in complete.splitlines()]
-        old, scored = lines[0]["settings"], {record["index"]: record for record in lines[1:]}
-    except (json.JSONDecodeError, KeyError, TypeError):
-        fail(f"{path}: not a results file of evaluate.py; delete it or pass another --output-dir or --name")
+
+    def parse(number, line, fields, what):
+        """Line `number`: a JSON object whose `fields` ({key: type}) hold values of their types; else fail naming it."""
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            wrong = [json.dumps(key) for key, kind in fields.items() if not isinstance(value.get(key), kind)]
+            problem = f"{', '.join(wrong)} missing or of another type" if wrong else None
+        else:
+            problem = "not a JSON object"
+        if problem:
+            fail(f"{path}, line {number}: not {what} of evaluate.py ({problem}); delete the file or pass another "
+                 "--output-dir or --name")
+        return value
+
+    lines = complete.splitlines()
+    old = parse(1, lines[0], {"settings": dict}, "the settings line of a results file")["settings"]
     changed = [f"{key} {old.get(key)!r} -> {settings.get(key)!r}" for key in sorted(old.keys() | settings.keys())
                if old.get(key) != settings.get(key)]
     if changed:
         fail(f"{path} was written with other settings ({'; '.join(changed)}): pass another --output-dir or --name, "
              "or delete it")
+    fields = {"index": int, "prompt": str, "target": str, "score": (int, float)}  # what the summary and grid read
+    if settings["judge"]:
+        fields[f"{settings['judge']}_score"] = (int, float)
+    scored = {}
+    for number, line in enumerate(lines[1:], 2):
+        record = parse(number, line, fields, "a prompt's record")
+        scored[record["index"]] = record
     for index, record in scored.items():
         if index < len(prompts) and record["prompt"] != prompts[index]:
             fail(f"{path}: prompt {index} is {record['prompt']!r}, but {prompts[index]!r} in --eval-data now")
@@ -283,8 +329,11 @@ if __name__ == "__main__":
         try:
             pipe = load_pipeline(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                  text_encoder_device=args.text_encoder_device or None)
+            check_resolution(pipe, args.resolution)
             if lora:
                 targets_of_lora = sorted({key.split(".lora_")[0] for key in lora})  # the LoRA's own module names
+                check_lora_fits(pipe.transformer, targets_of_lora,
+                                f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--lora {args.lora}")
                 add_lora_adapters(pipe.transformer, rank, alpha, names=("evaluated",), targets=targets_of_lora)
                 load_lora_state_dict(pipe.transformer, "evaluated", lora)
             scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,

@@ -2,10 +2,13 @@
 old and damaged checkpoints, resume rules at another world size, --overwrite, an empty run's summary, the --help text,
 EMA schedules that would leave [0, 1] and settings out of their range."""
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import checkpoint
 import crd
@@ -22,7 +26,7 @@ import dgpo
 import reward
 import rollout
 from ocr_server import ocr_server
-from test_trainers import ROOT, TINY_RUN, train
+from test_trainers import DATA, ROOT, TINY_RUN, train
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +134,8 @@ def test_a_signal_to_the_trainer_and_then_to_its_process_group_stops_it_graceful
 
 def test_a_checkpoint_from_before_optimizer_steps_still_loads(tmp_path):
     (tmp_path / "trainer_state.json").write_text(json.dumps({"iteration": 4, "global_step": 16, "peak_mem_gib": 3.5,
-                                                             "args": {}, "sampler": {}}))
+                                                             "args": {}, "sampler": {"epoch": 0, "position": 8},
+                                                             "eval": [[0, 0.5], [4, 0.75]], "iteration_s": [9.0] * 4}))
     state = checkpoint.read_checkpoint_state(tmp_path)
     assert state["optimizer_steps"] == 16 and "global_step" not in state
     assert state["start_iterations"] == [1] and state["peak_mem_gib"] == {}
@@ -138,8 +143,9 @@ def test_a_checkpoint_from_before_optimizer_steps_still_loads(tmp_path):
 
 def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(lora_transformer, tmp_path):
     transformer, optimizer = lora_transformer
-    args = crd.Args(train_batch_size=6, output_dir=str(tmp_path))
-    state = {"iteration": 1, "optimizer_steps": 4, "sampler": {}, "args": json.loads(json.dumps(vars(args)))}
+    args = crd.Args(train_batch_size=6, output_dir=str(tmp_path), lora_rank=4, lora_alpha=4)
+    state = {"iteration": 1, "optimizer_steps": 4, "sampler": {"epoch": 0, "position": 2}, "eval": [],
+             "iteration_s": [1.0], "args": json.loads(json.dumps(vars(args)))}
     (tmp_path / "run").mkdir()
     checkpoint.save_checkpoint(tmp_path / "run", 1, transformer, optimizer, state, keep_last=2)
     step = tmp_path / "run" / "global_step_1"
@@ -174,6 +180,56 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
                                    True)
 
 
+def saved_run(lora_transformer, tmp_path):
+    """A checkpoint as the trainers write it, of iteration 1 of a run (rank-4 adapters, alpha 4) on prompt files in
+    tmp_path: (its directory, the run's Args; a dry run, so a resume from it neither creates nor locks anything)."""
+    transformer, optimizer = lora_transformer
+    for name in ("train.txt", "test.txt"):
+        shutil.copy(DATA / name, tmp_path / name)
+    args = crd.Args(train_batch_size=4, lora_rank=4, lora_alpha=4, train_data=str(tmp_path / "train.txt"),
+                    eval_data=str(tmp_path / "test.txt"), output_dir=str(tmp_path), run_name="run", dry_run=True)
+    state = {"iteration": 1, "optimizer_steps": 1, "eval": [[0, 0.5, None], [1, float("nan"), None]],
+             "iteration_s": [2.5], "start_iterations": [1], "peak_mem_gib": {"actor rank 0 cpu": 0.6},
+             "sampler": {"epoch": 0, "position": 2}, "args": json.loads(json.dumps(vars(args))), "world_size": 1,
+             "algorithm": "crd"}
+    (tmp_path / "run").mkdir()
+    return checkpoint.save_checkpoint(tmp_path / "run", 1, transformer, optimizer, state, keep_last=0), args
+
+
+def resume(args, step, **changes):
+    """prepare_run of a resume from step (the main process of one): (run directory, lock)."""
+    return checkpoint.prepare_run(dataclasses.replace(args, resume_from=str(step), **changes), "crd", 1, True)
+
+
+def edit_state(step, **fields):
+    state = json.loads((step / "trainer_state.json").read_text())
+    (step / "trainer_state.json").write_text(json.dumps({**state, **fields}))
+
+
+@pytest.mark.parametrize("field, value, must_be", [
+    ("args", [], "an object (the run's settings)"),
+    ("iteration", "2", "a whole number >= 0"),
+    ("optimizer_steps", -1, "a whole number >= 0"),
+    ("sampler", {}, 'an object {"epoch": whole number >= 0, "position": whole number >= 0}'),
+    ("sampler", None, 'an object {"epoch": whole number >= 0, "position": whole number >= 0}'),
+    ("eval", None, "a list of [iteration, reward, judge's reward or null] entries"),
+    ("eval", [[0, "0.5"]], "a list of [iteration, reward, judge's reward or null] entries"),
+    ("iteration_s", 5, "a list of numbers"),
+    ("start_iterations", [0], "a list of whole numbers >= 1"),
+    ("world_size", True, "a whole number >= 1"),
+])
+def test_a_damaged_trainer_state_field_is_named_before_the_model_loads(field, value, must_be, lora_transformer,
+                                                                         tmp_path):
+    """Hand-edited, valid JSON: without the check, each one is a traceback (some after the model loaded, or after an
+    iteration ran)."""
+    step, args = saved_run(lora_transformer, tmp_path)
+    resume(args, step)  # as saved, it resumes
+    edit_state(step, **{field: value})
+    with pytest.raises(checkpoint.RunError) as error:
+        resume(args, step)
+    assert str(error.value) == f'{step / "trainer_state.json"}: "{field}" must be {must_be}'
+
+
 def test_resume_compares_per_rank_sizes_by_their_global_value():
     saved = {"args": {"prompts_per_rank": 1, "train_batch_size": 4, "seed": 1, "device": "cuda"}, "world_size": 2,
              "algorithm": "crd"}
@@ -183,6 +239,87 @@ def test_resume_compares_per_rank_sizes_by_their_global_value():
     refused, _ = checkpoint.resume_changes(saved, other_math, 2, "crd")
     assert refused == ["prompts per iteration (prompts_per_rank x ranks) 2 -> 4",
                        "images per optimizer step (train_batch_size x ranks) 8 -> 16"]
+
+
+def test_adapters_without_an_adapter_name_or_of_another_rank_are_named(lora_transformer, tmp_path):
+    """Before the model loads on a resume, and in read_adapters (evaluate.py, the benchmarks, load_checkpoint): a key
+    without the adapter's name, a lora_A weight that is not (rank, in), a lora_B weight that is not (out, rank)."""
+    step, args = saved_run(lora_transformer, tmp_path)
+    path = step / "adapters.safetensors"
+    tensors = load_file(path)
+
+    def named(message, **changes):
+        with pytest.raises(checkpoint.RunError, match=f"^{re.escape(f'{path}: ')}{message}$"):
+            resume(args, step, **changes)
+        with pytest.raises(checkpoint.RunError, match=f"^{re.escape(f'{path}: ')}{message}$"):
+            checkpoint.read_adapters(step)
+
+    save_file({**tensors, "weight": torch.zeros(4)}, path)
+    named(re.escape('the tensor "weight" names no adapter (its keys are "<adapter>.<LoRA key>")'))
+    lora_b = next(key for key in tensors if ".lora_B." in key)
+    save_file({**tensors, lora_b: torch.zeros(32, 8)}, path)
+    named(re.escape(f"{lora_b} has the shape (32, 8), not a rank-4 LoRA's (trainer_state.json records lora_rank 4)"))
+    save_file(tensors, path)
+    edit_state(step, args={**json.loads(json.dumps(vars(args))), "lora_rank": 8})  # the tensors are rank 4
+    named(r"\S+\.lora_A\.weight has the shape \(4, 32\), not a rank-8 LoRA's "
+          r"\(trainer_state.json records lora_rank 8\)", lora_rank=8)
+
+
+def test_a_checkpoint_without_its_lora_alpha_is_named_for_evaluate(lora_transformer, tmp_path):
+    step, args = saved_run(lora_transformer, tmp_path)
+    saved = json.loads(json.dumps(vars(args)))
+    del saved["lora_alpha"]
+    edit_state(step, args=saved)
+    with pytest.raises(checkpoint.RunError) as error:
+        checkpoint.read_adapters(step)
+    assert str(error.value) == f"{step}: its trainer_state.json records no Args (lora_rank, lora_alpha: whole " \
+                               "numbers >= 1)"
+
+
+def test_adapters_that_do_not_fit_the_model_are_named(lora_transformer, tmp_path):
+    transformer, optimizer = lora_transformer
+    step, _ = saved_run(lora_transformer, tmp_path)
+    tensors = load_file(step / "adapters.safetensors")
+    save_file({key: value for key, value in tensors.items() if not key.startswith("policy.transformer_blocks.0.")},
+              step / "adapters.safetensors")
+    message = f"{step / 'adapters.safetensors'}: its policy adapter does not fit the model (state dict does not match"
+    with pytest.raises(checkpoint.RunError, match="^" + re.escape(message)):
+        checkpoint.load_checkpoint(step, transformer, optimizer, "cpu")
+
+
+def test_a_resume_reports_no_change_of_where_the_run_is_when_that_is_not_given(lora_transformer, tmp_path, capsys):
+    """--output-dir and --run-name left out: the run continues in the checkpoint's directory, no change to report."""
+    step, args = saved_run(lora_transformer, tmp_path)
+    run_dir, _ = resume(args, step, output_dir=crd.Args.output_dir, run_name="", eval_every=args.eval_every + 1)
+    assert run_dir == step.parent
+    assert capsys.readouterr().out == f"resuming with changed settings: eval_every {args.eval_every} -> " \
+                                      f"{args.eval_every + 1}\n"
+
+
+def test_a_resume_refuses_prompt_files_whose_contents_changed(lora_transformer, tmp_path):
+    """The same path, other prompts: the resumed run would train (or validate) on other data. A checkpoint from before
+    the hashes were recorded resumes as before."""
+    step, args = saved_run(lora_transformer, tmp_path)
+    train_data = tmp_path / "train.txt"
+    digests = {field: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+               for field, name in (("train_data", "train.txt"), ("eval_data", "test.txt"))}
+    assert json.loads((step / "trainer_state.json").read_text())["data_sha256"] == digests
+    prompts = train_data.read_text()
+    train_data.write_text(prompts.replace("a", "b"))
+    with pytest.raises(checkpoint.RunError) as error:
+        resume(args, step)
+    changed = hashlib.sha256(train_data.read_bytes()).hexdigest()
+    assert str(error.value) == (f"--train-data {train_data}: its contents changed since global_step_1 (sha256 "
+                                f"{digests['train_data'][:12]}... then, {changed[:12]}... now); a resume needs the "
+                                "same prompts (restore the file, or start a new run)")
+    train_data.write_text(prompts)
+    (tmp_path / "test.txt").write_text("")
+    with pytest.raises(checkpoint.RunError, match=f"^--eval-data {re.escape(str(tmp_path / 'test.txt'))}: its "):
+        resume(args, step)
+    state = json.loads((step / "trainer_state.json").read_text())
+    del state["data_sha256"]
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    assert resume(args, step)[0] == step.parent
 
 
 def test_overwrite_replaces_the_previous_run(tiny_model_dir, tmp_path):
