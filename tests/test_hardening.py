@@ -239,6 +239,8 @@ def test_resume_compares_per_rank_sizes_by_their_global_value():
     refused, _ = checkpoint.resume_changes(saved, other_math, 2, "crd")
     assert refused == ["prompts per iteration (prompts_per_rank x ranks) 2 -> 4",
                        "images per optimizer step (train_batch_size x ranks) 8 -> 16"]
+    damaged = {**saved, "args": {**saved["args"], "prompts_per_rank": None}}  # hand-edited: reported, not multiplied
+    assert checkpoint.resume_changes(damaged, same_math, 1, "crd")[0] == ["prompts_per_rank None -> 2"]
 
 
 def test_adapters_without_an_adapter_name_or_of_another_rank_are_named(lora_transformer, tmp_path):
