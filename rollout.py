@@ -193,6 +193,21 @@ def safetensors_error(path) -> str | None:
         return str(error)
 
 
+def random_medium_memory_error(dtype: torch.dtype) -> str | None:
+    """Why RANDOM_MEDIUM cannot be built on this machine's CPU in `dtype` (its 7.9B weights would not fit the memory
+    Linux reports available: the process would be killed without a word), or None."""
+    needed = 7.91e9 * dtype.itemsize / 2**30
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(meminfo["MemAvailable"].split()[0]) / 2**20  # kB -> GiB
+    except (OSError, KeyError, ValueError):
+        return None  # not Linux: let the allocator decide
+    if needed <= available:
+        return None
+    return (f"--model {RANDOM_MEDIUM}: its 7.9B random weights need {needed:.1f} GiB in {str(dtype).split('.')[-1]} "
+            f"on the CPU, and this machine has {available:.1f} GiB available (it is meant for GPU benchmarks)")
+
+
 def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                   cache_dir: str | Path | None = None,
                   text_encoder_device: str | torch.device | None = None) -> StableDiffusion3Pipeline:
@@ -209,6 +224,8 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
     from safetensors import SafetensorError
 
     if model == RANDOM_MEDIUM:
+        if torch.device(device).type == "cpu" and (error := random_medium_memory_error(dtype)):
+            raise RuntimeError(error)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # no float32 copy; and initialising 8B weights on the CPU takes minutes
         try:

@@ -515,6 +515,19 @@ def test_crd_cache_naming_a_file_is_one_line(tmp_path, monkeypatch):
             rollout.load_pipeline(rollout.TINY)
 
 
+def test_random_medium_beyond_the_cpus_memory_is_one_line_not_a_killed_process(tmp_path):
+    """In a subprocess: without the check, building 29.5 GiB of float32 weights gets it killed by the kernel."""
+    if rollout.random_medium_memory_error(torch.float32) is None:
+        pytest.skip("this machine holds SD3.5-M in float32")
+    result = subprocess.run([sys.executable, "crd.py", "--model", rollout.RANDOM_MEDIUM, "--device", "cpu",
+                             "--reward", "brightness", "--train-data", "tests/data/ocr/train.txt",
+                             "--eval-data", "tests/data/ocr/test.txt", "--output-dir", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert re.search(r"^crd\.py: error: --model random-sd3\.5-medium: its 7\.9B random weights need 29\.5 GiB in "
+                     r"float32 on the CPU, and this machine has [\d.]+ GiB available", result.stderr, re.M)
+
+
 def test_random_medium_has_sd35_medium_size():
     pipe = rollout.load_pipeline(rollout.RANDOM_MEDIUM, device="meta", dtype=torch.bfloat16)
 
