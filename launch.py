@@ -8,6 +8,7 @@ This is torch.distributed.run itself (torchrun), with two of its exceptions turn
   ended by it, where torchrun raises SignalException and exits 1 with a traceback;
 - a rank that failed (it printed its own error): exit with its exit code, where torchrun prints a ~40-line
   ChildFailedError report.
+A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line before it starts, not its traceback.
 torchrun kills ranks that are still running --shutdown-timeout seconds (default 30) after it forwarded a signal: give a
 graceful stop the time of an iteration and a checkpoint (run.sh does).
 """
@@ -17,7 +18,9 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main
+from torch.distributed.run import determine_local_world_size, main, parse_args
+
+DEVICE_KINDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's --nproc-per-node values for one worker per such device
 
 
 def exit_status(code):
@@ -25,7 +28,22 @@ def exit_status(code):
     return 128 - code if code < 0 else code
 
 
+def check_nproc_per_node(value):
+    """One line for a --nproc-per-node (or PET_NPROC_PER_NODE) that torchrun would fail on with a traceback."""
+    def fail(reason):
+        sys.exit(f"launch.py: error: --nproc-per-node {value}: {reason}")
+
+    try:
+        workers = determine_local_world_size(value)  # torchrun's own reading: a number, or a kind of device to count
+    except ValueError as error:
+        fail(str(error).rstrip(".") if value in DEVICE_KINDS  # gpu or xpu on a machine without them
+             else f"not a number of processes, nor one of {', '.join(DEVICE_KINDS)}")
+    if workers < 1:
+        fail("must be at least 1")
+
+
 if __name__ == "__main__":
+    check_nproc_per_node(parse_args(sys.argv[1:]).nproc_per_node)  # torchrun's parser: every spelling of the flag
     try:
         main()
     except SignalException as stop:

@@ -22,6 +22,18 @@ if [[ $algo == compare ]]; then
   exec "$PYTHON" - "$@" <<'PY'
 import json, sys
 from pathlib import Path
+# what the table formats: {key: (test, what it must be)}; null: the run has none (no validation, no timed iteration)
+number = (lambda v: v is None or type(v) in (int, float), "a number or null")
+whole = (lambda v: type(v) is int, "a whole number")
+string = (lambda v: type(v) is str, "a string")
+fields = {"initial_eval_reward": number, "final_eval_reward": number, "best_eval_reward": number,
+          "best_eval_iteration": (lambda v: v is None or type(v) is int, "a whole number or null"),
+          "mean_iteration_s": number, "train_images_per_s": number,
+          "peak_mem_gib": (lambda v: type(v) is dict and all(type(x) in (int, float) for x in v.values()),
+                           "an object of numbers"),
+          "iterations": whole, "optimizer_steps": whole}
+newer_fields = {"algorithm": string, "reward": string, "initial_eval_judge": number, "final_eval_judge": number,
+                "warmup_iteration_s": number}  # older summaries lack them
 runs = []
 for run in sys.argv[1:]:
     path = Path(run) / "summary.json"
@@ -31,10 +43,11 @@ for run in sys.argv[1:]:
         summary = json.loads(path.read_text())
     except ValueError as error:
         sys.exit(f"run.sh compare: {path} is not JSON ({error})")
-    keys = ("initial_eval_reward", "final_eval_reward", "best_eval_reward", "best_eval_iteration", "mean_iteration_s",
-            "train_images_per_s", "peak_mem_gib", "iterations", "optimizer_steps")
-    if not isinstance(summary, dict) or not all(key in summary for key in keys):
-        sys.exit(f"run.sh compare: {path} is not a trainer's summary (it lacks {', '.join(keys)})")
+    if not isinstance(summary, dict) or not all(key in summary for key in fields):
+        sys.exit(f"run.sh compare: {path} is not a trainer's summary (it lacks {', '.join(fields)})")
+    for key, (fits, kind) in {**fields, **newer_fields}.items():
+        if key in summary and not fits(summary[key]):
+            sys.exit(f"run.sh compare: {path}: {key} is {json.dumps(summary[key])}, not {kind}")
     runs.append((Path(run).name, summary))
 fmt = lambda v, unit="": "n/a" if v is None else f"{v:.4f}{unit}" if isinstance(v, float) else str(v)
 seconds = lambda v: "n/a" if v is None else f"{v:.1f} s"

@@ -166,6 +166,8 @@ def test_bad_input_gives_one_clear_line(extra, message, trained, rank_8_lora, ti
     (dict(guidance=float("nan")), "--guidance nan: must be a finite number >= 1"),
     (dict(max_sequence_length=0), "--max-sequence-length 0: must lie in [1, 512]"),
     (dict(seed=2**70), f"--seed {2**70}: must lie in [0, 2^62)"),
+    (dict(device="meta"), "--device meta: evaluate.py runs on cpu or cuda devices"),
+    (dict(reward_device="mps"), "--reward-device mps: evaluate.py runs on cpu or cuda devices"),
 ])
 def test_a_setting_out_of_its_range_is_named(flags, message):
     import evaluate
@@ -173,3 +175,46 @@ def test_a_setting_out_of_its_range_is_named(flags, message):
     evaluate.check_args(evaluate.Args())
     with pytest.raises(SystemExit, match=re.escape(message)):
         evaluate.check_args(evaluate.Args(**flags))
+
+
+SETTINGS = {"model": "tiny", "judge": None}
+RECORD = {"index": 0, "prompt": "A sign that says \"0\"", "target": "0", "transcription": "", "score": 0.5}
+
+
+@pytest.mark.parametrize("lines, judge, message", [
+    ([{"settings": []}], None, 'line 1: not the settings line of a results file of evaluate.py ("settings" missing'),
+    ([{"settings": SETTINGS}, {k: v for k, v in RECORD.items() if k != "prompt"}], None,
+     'line 2: not a prompt\'s record of evaluate.py ("prompt" missing or of another type)'),
+    ([{"settings": {**SETTINGS, "judge": "paddle"}}, RECORD], "paddle", 'line 2: not a prompt\'s record of evaluate.py '
+     '("paddle_score" missing or of another type)'),
+    ([{"settings": SETTINGS}, RECORD, [1]], None, "line 3: not a prompt's record of evaluate.py (not a JSON object)"),
+])
+def test_a_damaged_results_file_is_named_with_its_line(lines, judge, message, tmp_path):
+    import evaluate
+
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(SystemExit, match=re.escape(f"{path}, {message}")):
+        evaluate.read_results(path, {**SETTINGS, "judge": judge}, [RECORD["prompt"]])
+
+
+def test_a_resolution_beyond_the_models_position_embedding_is_named(tiny_pipe):
+    import evaluate
+
+    evaluate.check_resolution(tiny_pipe, 1024)
+    with pytest.raises(SystemExit, match=re.escape(
+            "--resolution 1040: this model generates at most 1024 px (pos_embed_max_size 64 x patch 2 x VAE 8)")):
+        evaluate.check_resolution(tiny_pipe, 1040)
+
+
+def test_a_lora_naming_layers_the_model_lacks_is_named(tiny_pipe):
+    import evaluate
+
+    fitting = ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_k"]
+    evaluate.check_lora_fits(tiny_pipe.transformer, fitting, "--lora DIR")
+    lacking = [f"transformer_blocks.99.attn.{name}" for name in ("to_k", "to_q", "to_v", "to_out.0")]
+    with pytest.raises(SystemExit, match=re.escape(
+            "--lora DIR: the LoRA does not fit the model: its keys name layers the model lacks: "
+            "transformer_blocks.99.attn.to_k, transformer_blocks.99.attn.to_out.0, transformer_blocks.99.attn.to_q, "
+            "(1 more)")):
+        evaluate.check_lora_fits(tiny_pipe.transformer, fitting + lacking, "--lora DIR")

@@ -168,13 +168,25 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     (dict(pretrain=dict(task=Task(font_size=0))), "--task.font-size 0: must be at least 1"),
     (dict(pretrain=dict(prompt_dropout=2.0)), "--prompt-dropout 2: must be a finite number in [0, 1]"),
     (dict(pretrain=dict(learning_rate=float("nan"))), "--learning-rate nan: must be a finite number > 0"),
+    (dict(seeds=[-1]), "--seed -1: must be at least 0"),  # the trainers' check of every seed
+    (dict(seeds=[0, 9999999999]), "--seed 9999999999: must be below 2^23"),
+    (dict(out="file"), "run_benchmark.py: error: --out file: a file, not a directory"),
+    (dict(out="file/sub"), "run_benchmark.py: error: --out file/sub: file is a file, not a directory"),
+    (dict(pretrain=dict(out="file/sub/model")), "pretrain.py: error: --out file/sub/model: file is a file, not a dir"),
+    (dict(pretrain=dict(task=Task(font_size=200, resolution=64))),  # the text is cut by the border
+     "--task.font-size 200: '0000', the widest word of --task.length 4, does not fit the image of --task.resolution"),
+    (dict(pretrain=dict(task=Task(font_size=1))), "--task: '0' renders without ink at --task.font-size 1"),
+    (dict(pretrain=dict(task=Task(alphabet="αβγδεζηθικ"))),  # glyphs the font lacks: all drawn as the same box
+     "'α' and 'β' render as the same image at --task.font-size 40"),
 ])
-def test_the_benchmark_driver_names_a_bad_argument_before_pretraining(flags, message, tmp_path):
+def test_the_benchmark_driver_names_a_bad_argument_before_pretraining(flags, message, tmp_path, monkeypatch):
     from benchmark.ocr_proxy import run_benchmark
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")  # in the way of the --out cases' directories
     tiny = _tiny_args(tmp_path / "model")
     pretrain_args = pretrain.Args(**{**vars(tiny), **flags.pop("pretrain", {})})
-    args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=pretrain_args, **{"eval_prompts": 2, **flags})
+    args = run_benchmark.Args(pretrain=pretrain_args, **{"out": str(tmp_path / "bench"), "eval_prompts": 2, **flags})
     with pytest.raises(SystemExit, match=re.escape(message)):
         run_benchmark.main(args)
     assert not (tmp_path / "model").exists() and not (tmp_path / "bench").exists()

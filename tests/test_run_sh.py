@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
@@ -148,6 +149,30 @@ def test_bad_environment_overrides_are_one_line(tmp_path, override, message):
     assert result.returncode == 1 and result.stderr.splitlines() == [f"run.sh: error: {message}"]
 
 
+# a summary.json as the trainers write it (checkpoint.write_summary)
+SUMMARY = {"algorithm": "crd", "reward": "paddle", "completed": True, "stopped_by": None, "iterations": 3,
+           "optimizer_steps": 6, "world_size": 1, "initial_eval_reward": 0.25, "final_eval_reward": 0.5,
+           "best_eval_reward": 0.5, "best_eval_iteration": 3, "initial_eval_judge": None, "final_eval_judge": None,
+           "warmup_iteration_s": 20.5, "mean_iteration_s": 2.25, "mean_iteration_excludes": [1],
+           "train_images_per_s": 10.7, "peak_mem_gib": {"actor cuda:0": 31.5}}
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("peak_mem_gib", None, "an object of numbers"),
+    ("peak_mem_gib", {"actor cuda:0": "31.5"}, "an object of numbers"),
+    ("mean_iteration_s", "2.25 s", "a number or null"),
+    ("warmup_iteration_s", [20.5], "a number or null"),
+    ("iterations", 3.5, "a whole number"),
+])
+def test_compare_names_a_summary_field_of_the_wrong_type(field, value, kind, tmp_path):
+    for run, summary in (("a", SUMMARY), ("b", {**SUMMARY, field: value})):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "summary.json").write_text(json.dumps(summary))
+    result = run_sh({**os.environ, "PYTHON": sys.executable}, "compare", tmp_path / "a", tmp_path / "b", timeout=30)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"run.sh compare: {tmp_path / 'b' / 'summary.json'}: {field} is {json.dumps(value)}, not {kind}"]
+
+
 def test_launch_py_reports_a_failed_rank_in_one_line_with_its_exit_code(tmp_path):
     """torchrun's ~40-line ChildFailedError report becomes one line after the rank's own error, with its exit code."""
     script = tmp_path / "fails.py"
@@ -158,6 +183,18 @@ def test_launch_py_reports_a_failed_rank_in_one_line_with_its_exit_code(tmp_path
     lines = result.stderr.splitlines()
     assert "fails.py: error: rank 1 gives up" in lines
     assert lines[-1] == f"launch.py: rank 1 of {script} failed (exit code 1); its error is printed above"
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--nproc_per_node=0"], "--nproc-per-node 0: must be at least 1"),  # torchrun's other spelling and form
+    (["--nproc-per-node", "abc"], "--nproc-per-node abc: not a number of processes, nor one of auto, cpu, gpu, xpu"),
+    pytest.param(["--nproc-per-node", "gpu"], "--nproc-per-node gpu: Cuda is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+])
+def test_launch_py_names_a_bad_nproc_per_node_before_torchrun_starts(flag, message, tmp_path):
+    result = subprocess.run([sys.executable, "launch.py", "--standalone", *flag, str(tmp_path / "never_run.py")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.splitlines() == [f"launch.py: error: {message}"]
 
 
 def test_ctrl_c_to_run_sh_stops_several_ranks_with_a_checkpoint_and_exit_130(tmp_path, tiny_model_dir):

@@ -117,6 +117,43 @@ class Args:
     """PP-OCR processes for validation (0: in this process)"""
 
 
+def directory_blocked(path: Path) -> str | None:
+    """Why no directory can be made at `path` (a file there or at its nearest existing parent), or None."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing.is_dir():
+        return None
+    return "a file, not a directory" if existing == path else f"{existing} is a file, not a directory"
+
+
+def unreadable_renders(task: Task) -> str | None:
+    """Why the task's renders cannot be read (as a pretrain.py error), or None: a symbol without ink (the font is too
+    small), two symbols drawn alike (the font lacks their glyphs and draws the same box), or a longest word (`length`
+    of the widest symbol) cut by the image's border. render() draws every word black on white, centred, at one size,
+    so that word is the worst case."""
+    def ink(image):
+        return np.asarray(image.convert("L")) < 128  # at least half-way to black: what survives as a stroke
+
+    drawn, widths = {}, {}
+    for symbol in task.alphabet:
+        image = render(symbol, task)
+        columns = np.flatnonzero(ink(image).any(axis=0))
+        if not len(columns):
+            return (f"--task: {symbol!r} renders without ink at --task.font-size {task.font_size} (no pixel half-way "
+                    "to black)")
+        if image.tobytes() in drawn:
+            return (f"--task.alphabet {task.alphabet!r}: {drawn[image.tobytes()]!r} and {symbol!r} render as the "
+                    f"same image at --task.font-size {task.font_size} (the font lacks their glyphs, or the size is too "
+                    "small)")
+        drawn[image.tobytes()] = symbol
+        widths[symbol] = columns[-1] - columns[0]
+    word = max(widths, key=widths.get) * task.length
+    marked = ink(render(word, task))
+    if marked[0].any() or marked[-1].any() or marked[:, 0].any() or marked[:, -1].any():
+        return (f"--task.font-size {task.font_size}: {word!r}, the widest word of --task.length {task.length}, does "
+                f"not fit the image of --task.resolution {task.resolution} (its ink reaches the border)")
+    return None
+
+
 def check_args(args: Args) -> None:
     """One line for an argument that would fail minutes into pretraining (or never stop it)."""
     def fail(message):
@@ -138,8 +175,9 @@ def check_args(args: Args) -> None:
                               "validation_guidance": (1, math.inf)}.items():
         if not (math.isfinite(getattr(args, flag)) and low <= getattr(args, flag) <= high):
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag):g}: must be a finite number in [{low:g}, {high:g}]")
-    if Path(args.out).expanduser().exists() and not Path(args.out).expanduser().is_dir():
-        fail(f"--out {args.out}: a file, not a model directory")
+    blocked = directory_blocked(Path(args.out).expanduser())
+    if blocked:
+        fail(f"--out {args.out}: {blocked}")
     if args.task.resolution < 16 or args.task.resolution % 16:
         fail(f"--task.resolution {args.task.resolution}: must be a positive multiple of 16 (VAE factor 8 x patch size 2)")
     if not args.task.alphabet or args.task.length < 1 or min(args.task.test_words, args.task.validation_words) < 1:
@@ -150,6 +188,9 @@ def check_args(args: Args) -> None:
         split_words(args.task, args.seed)
     except ValueError as error:
         fail(f"--task: {error}")
+    unreadable = unreadable_renders(args.task)
+    if unreadable:
+        fail(unreadable)
     if args.time_cap_s <= 0:
         fail(f"--time-cap-s {args.time_cap_s:g}: must be positive")
 

@@ -111,6 +111,9 @@ def check_args(args: Args) -> None:
 
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
         fail(f"--seeds {' '.join(map(str, args.seeds))}: give one or more distinct seeds")
+    blocked = pretrain.directory_blocked(Path(args.out))
+    if blocked:
+        fail(f"--out {args.out}: {blocked}")
     if not args.algorithms:
         fail("--algorithms: give crd, dgpo or both")
     for flag in ("iterations", "eval_every", "eval_prompts"):
@@ -136,12 +139,13 @@ def check_args(args: Args) -> None:
         trainer = importlib.import_module(algo)
         for variant in args.variants or ["="]:
             given = shlex.split(args.trainer_args) + shlex.split(variant.split("=", 1)[1])
-            try:
-                trainer_args = tyro.cli(trainer.Args, args=given, console_outputs=False)
-            except SystemExit:
-                fail(f"{shlex.join(given)!r}: not arguments of {algo}.py (see python {algo}.py --help)")
-            trainer_args.train_batch_size = trainer_args.train_batch_size or trainer_args.group_size
-            trainer.check_args(trainer_args)
+            for seed in args.seeds:  # as launch() passes it: before the given arguments, which may set another
+                try:
+                    trainer_args = tyro.cli(trainer.Args, args=["--seed", str(seed), *given], console_outputs=False)
+                except SystemExit:
+                    fail(f"{shlex.join(given)!r}: not arguments of {algo}.py (see python {algo}.py --help)")
+                trainer_args.train_batch_size = trainer_args.train_batch_size or trainer_args.group_size
+                trainer.check_args(trainer_args)
     pretrain.check_args(args.pretrain)
 
 
