@@ -159,10 +159,13 @@ def test_qwen_vl_prompt_has_instruction_and_image_tokens(tiny_qwen):
 
 
 def test_qwen_vl_missing_model_is_clear(tmp_path):
-    missing = tmp_path / "no_such_model"
-    with pytest.raises(RuntimeError, match="no_such_model") as info:
-        make_scorer("qwen-vl", model_path=str(missing))
-    assert "hf auth login" in str(info.value) and "local directory" in str(info.value)
+    """A local path that holds no model is named as --reward-model (transformers would call it a malformed repo id)."""
+    (tmp_path / "a_file").write_text("")
+    for path, reason in ((tmp_path / "no_such_model", "no such directory"), (tmp_path / "a_file", "not a directory"),
+                         (tmp_path, "no config.json in this directory, so not a transformers model")):
+        with pytest.raises(RuntimeError) as info:
+            make_scorer("qwen-vl", model_path=str(path))
+        assert str(info.value) == f"--reward-model {path}: {reason}"
 
 
 def test_random_qwen_vl_3b_on_meta():
