@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import tyro
 from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -245,22 +246,33 @@ def test_a_signal_finishes_the_iteration_saves_and_says_the_run_stopped(signum, 
 
 @pytest.mark.parametrize("extra, message", [
     (["--train-batch-size", "6"], "--train-batch-size 6 must be a multiple of --group-size 4"),
-    (["--group-size", "1"], "centering needs at least 2"),
     (["--resolution", "60"], "not a multiple of 16"),
-    (["--resolution", "1040"], "--resolution 1040: this model generates at most 1024 px (pos_embed_max_size 64 x patch 2"),
-    (["--prompts-per-rank", "41"], f"--train-data {DATA / 'train.txt'}: 40 prompt(s), fewer than the --prompts-per-rank 41"),
-    (["--reward", "qwen-vl", "--reward-model", "/nonexistent/qwen"], "--reward-model /nonexistent/qwen: no such directory"),
     (["--resolution", "0"], "--resolution 0: must be at least 16"),
     (["--prompts-per-rank", "0"], "--prompts-per-rank 0: must be at least 1"),
     (["--eval-prompts", "0"], "--eval-prompts 0: validation needs a prompt (--eval-every 0 turns validation off)"),
     (["--save-every", "0"], "--save-every 0: must be at least 1"),
     (["--lora-rank", "0"], "--lora-rank 0: must be at least 1"),
     (["--num-train-timesteps", "10"], "--num-train-timesteps 10 must lie in [1, 9]: the trained steps of the 10-step"),
-    (["--train-data", "missing/train.jsonl"], "missing/train.jsonl: prompt file not found"),
-    (["--model", "/nonexistent/sd35"], "--model /nonexistent/sd35: no such directory"),
     (["--reward", "ocr"], "--reward ocr: choose one of"),
     (["--reward-device", "gpu7"], "--reward-device gpu7: not a torch device"),
     (["--text-encoder-device", "cuda:1"], "--text-encoder-device cuda:1: this machine has 0 CUDA device(s)"),
+])
+def test_bad_settings_are_named_by_check_args(extra, message):
+    """The trainers' check_args, in process (the command line's path to it runs below, once per kind of check)."""
+    args = tyro.cli(crd.Args, args=[*TINY_RUN, *extra])
+    args.train_batch_size = args.train_batch_size or args.group_size
+    with pytest.raises(SystemExit) as exit_:
+        crd.check_args(args)
+    assert message in str(exit_.value.code)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--group-size", "1"], "centering needs at least 2"),  # check_args
+    (["--resolution", "1040"], "--resolution 1040: this model generates at most 1024 px (pos_embed_max_size 64 x patch 2"),
+    (["--prompts-per-rank", "41"], f"--train-data {DATA / 'train.txt'}: 40 prompt(s), fewer than the --prompts-per-rank 41"),
+    (["--reward", "qwen-vl", "--reward-model", "/nonexistent/qwen"], "--reward-model /nonexistent/qwen: no such directory"),
+    (["--train-data", "missing/train.jsonl"], "missing/train.jsonl: prompt file not found"),
+    (["--model", "/nonexistent/sd35"], "--model /nonexistent/sd35: no such directory"),
 ])
 def test_bad_input_gives_a_clear_error(extra, message, tiny_model_dir, tmp_path):
     result = train("crd.py", tiny_model_dir, tmp_path, *extra, check=False)
