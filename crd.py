@@ -42,7 +42,7 @@ from data import DataError, GroupSampler, load_prompts
 from reward import SCORERS, GuardedScorer, check_reward_model, make_scorer
 from rollout import (CompileCache, add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      ema_update_, encode_prompts, load_pipeline, lora_parameters, negative_embeddings,
-                     predict_velocity, sample, use_adapter, warn_cut_targets)
+                     predict_velocity, resolution_error, sample, use_adapter, warn_cut_targets)
 
 
 @dataclass
@@ -397,11 +397,8 @@ if __name__ == "__main__":
                                            max_retries=args.reward_retries))  # a failure: NaN scores, see below
         pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                              text_encoder_device=args.text_encoder_device or None)
-        config = pipe.transformer.config  # SD3 crops its position embedding: a larger image fails at the first sample
-        largest = config.pos_embed_max_size * config.patch_size * pipe.vae_scale_factor
-        if args.resolution > largest:
-            fail(f"--resolution {args.resolution}: this model generates at most {largest} px (pos_embed_max_size "
-                 f"{config.pos_embed_max_size} x patch {config.patch_size} x VAE {pipe.vae_scale_factor})")
+        if error := resolution_error(pipe, args.resolution):
+            fail(error)
         judge = None
         if main_process and args.eval_every and args.eval_judge not in ("none", args.reward):
             judge = make_scorer(args.eval_judge)

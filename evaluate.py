@@ -35,7 +35,8 @@ from checkpoint import RunError, read_adapters
 from data import DataError, load_prompts
 from reward import SCORERS, ServerError, make_scorer
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
-                     encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, sample)
+                     encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
+                     sample)
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 
@@ -201,18 +202,6 @@ def check_lora_fits(transformer, targets, source):
              f"{', '.join(lacking[:3])}{more}")
 
 
-def check_resolution(pipe, resolution):
-    """Fail in one line if the model cannot generate `resolution` pixels a side: its position embedding covers at most
-    pos_embed_max_size patches a side (None: no limit)."""
-    config = pipe.transformer.config
-    if config.pos_embed_max_size is None:
-        return
-    most = config.pos_embed_max_size * config.patch_size * pipe.vae_scale_factor
-    if resolution > most:
-        fail(f"--resolution {resolution}: this model generates at most {most} px (pos_embed_max_size "
-             f"{config.pos_embed_max_size} x patch {config.patch_size} x VAE {pipe.vae_scale_factor})")
-
-
 def read_results(path, settings, prompts):
     """{index: record} of the prompts already scored in results.jsonl; a new file (settings line only) if none.
 
@@ -329,7 +318,8 @@ if __name__ == "__main__":
         try:
             pipe = load_pipeline(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                  text_encoder_device=args.text_encoder_device or None)
-            check_resolution(pipe, args.resolution)
+            if error := resolution_error(pipe, args.resolution):
+                fail(error)
             if lora:
                 targets_of_lora = sorted({key.split(".lora_")[0] for key in lora})  # the LoRA's own module names
                 check_lora_fits(pipe.transformer, targets_of_lora,

@@ -193,6 +193,19 @@ def safetensors_error(path) -> str | None:
         return str(error)
 
 
+def resolution_error(pipe, resolution: int) -> str | None:
+    """Why `pipe` cannot generate `resolution` pixels a side, or None: SD3 crops a position embedding of
+    pos_embed_max_size patches a side (None: no limit), so a larger image fails at its first sample."""
+    config = pipe.transformer.config
+    if config.pos_embed_max_size is None:
+        return None
+    largest = config.pos_embed_max_size * config.patch_size * pipe.vae_scale_factor
+    if resolution <= largest:
+        return None
+    return (f"--resolution {resolution}: this model generates at most {largest} px (pos_embed_max_size "
+            f"{config.pos_embed_max_size} x patch {config.patch_size} x VAE {pipe.vae_scale_factor})")
+
+
 def random_medium_memory_error(dtype: torch.dtype) -> str | None:
     """Why RANDOM_MEDIUM cannot be built on this machine's CPU in `dtype` (its 7.9B weights would not fit the memory
     Linux reports available: the process would be killed without a word), or None."""

@@ -198,15 +198,6 @@ def test_a_damaged_results_file_is_named_with_its_line(lines, judge, message, tm
         evaluate.read_results(path, {**SETTINGS, "judge": judge}, [RECORD["prompt"]])
 
 
-def test_a_resolution_beyond_the_models_position_embedding_is_named(tiny_pipe):
-    import evaluate
-
-    evaluate.check_resolution(tiny_pipe, 1024)
-    with pytest.raises(SystemExit, match=re.escape(
-            "--resolution 1040: this model generates at most 1024 px (pos_embed_max_size 64 x patch 2 x VAE 8)")):
-        evaluate.check_resolution(tiny_pipe, 1040)
-
-
 def test_a_lora_naming_layers_the_model_lacks_is_named(tiny_pipe):
     import evaluate
 

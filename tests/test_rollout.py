@@ -515,6 +515,14 @@ def test_crd_cache_naming_a_file_is_one_line(tmp_path, monkeypatch):
             rollout.load_pipeline(rollout.TINY)
 
 
+def test_a_resolution_beyond_the_position_embedding_is_named(tiny_pipe):
+    """What the trainers and evaluate.py print after loading the model, rather than diffusers' error at the first
+    sample (the tiny model: 64 patches of 2 x 8 px a side)."""
+    assert rollout.resolution_error(tiny_pipe, 1024) is None
+    assert rollout.resolution_error(tiny_pipe, 1040) == (
+        "--resolution 1040: this model generates at most 1024 px (pos_embed_max_size 64 x patch 2 x VAE 8)")
+
+
 def test_random_medium_beyond_the_cpus_memory_is_one_line_not_a_killed_process(tmp_path):
     """In a subprocess: without the check, building 29.5 GiB of float32 weights gets it killed by the kernel."""
     if rollout.random_medium_memory_error(torch.float32) is None:
