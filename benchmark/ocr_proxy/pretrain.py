@@ -38,10 +38,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import tyro
-from diffusers import StableDiffusion3Pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import rollout  # noqa: E402
+import rollout  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
+from diffusers import StableDiffusion3Pipeline  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, prompt, render, split_words  # noqa: E402
 
