@@ -137,15 +137,11 @@ class PaddleScorer:
 
 
 def check_reward_model(model_path: str) -> None:
-    """A RuntimeError naming --reward-model when it is meant as a local directory (it exists, or it is not a hub id
-    `name` or `org/name`) and is not one holding a transformers model; transformers would call it a bad repo id."""
-    path = Path(model_path).expanduser()
-    if not path.exists() and re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", model_path):
-        return  # a hub id
-    if not path.is_dir():
-        raise RuntimeError(f"--reward-model {model_path}: " + ("not a directory" if path.exists() else "no such directory"))
-    if not (path / "config.json").is_file():
-        raise RuntimeError(f"--reward-model {model_path}: no config.json in this directory, so not a transformers model")
+    """A RuntimeError naming --reward-model when it is meant as a local directory and holds no transformers model
+    (rollout.check_model_path's rule); transformers would call it a malformed repo id."""
+    from rollout import check_model_path
+
+    check_model_path(model_path, "--reward-model", "config.json", "a transformers model")
 
 
 class QwenVLScorer:

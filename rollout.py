@@ -164,8 +164,10 @@ def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
     return path
 
 
-def check_model_path(model: str) -> None:
-    """A RuntimeError naming `model` when it is meant as a local directory and is not one holding a diffusers pipeline.
+def check_model_path(model: str, flag: str = "--model", marker: str = "model_index.json",
+                     kind: str = "a diffusers pipeline") -> None:
+    """A RuntimeError naming `flag` and `model` when it is meant as a local directory and is not one holding `kind`
+    (a directory with a `marker` file); the loader would call it a malformed hub id.
 
     Meant as a directory: anything but a hub id `name` or `org/name`, and a hub-id-like path that exists, in whole
     or its first part (`models/sd35` with a local `models/`). TINY and RANDOM_MEDIUM pass.
@@ -176,9 +178,9 @@ def check_model_path(model: str) -> None:
     if model in (TINY, RANDOM_MEDIUM) or (hub_id and not path.exists() and not partly_local):
         return
     if not path.is_dir():
-        raise RuntimeError(f"--model {model}: " + ("not a directory" if path.exists() else "no such directory"))
-    if not (path / "model_index.json").is_file():
-        raise RuntimeError(f"--model {model}: no model_index.json in this directory, so not a diffusers pipeline")
+        raise RuntimeError(f"{flag} {model}: " + ("not a directory" if path.exists() else "no such directory"))
+    if not (path / marker).is_file():
+        raise RuntimeError(f"{flag} {model}: no {marker} in this directory, so not {kind}")
 
 
 def safetensors_error(path) -> str | None:
