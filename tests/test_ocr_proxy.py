@@ -137,6 +137,10 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
         assert [step for step, _ in run["eval"]] == [0, 1, 2] and run["iterations"] == 2
         scores = report["final_scores"][name]
         assert scores["checkpoint"] == "global_step_2"
+        settings = json.loads((out / "runs" / name / "global_step_2" / "trainer_state.json").read_text())["args"]
+        assert settings["kl_cfg"] == 1.0
+        if name.startswith("crd"):  # CRD's snapshots keep moving; DGPO's never freeze
+            assert settings["sampling_decay"] == [0, 0, 0, 0] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
         assert set(scores) == {"checkpoint", "cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
         assert all(0.0 <= scores[k] <= 1.0 for k in scores if k != "checkpoint")
     # the driver's scoring of the last checkpoint reproduces the trainer's last validation (same sampler, seeds, words)

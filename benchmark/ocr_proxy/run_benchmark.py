@@ -1,10 +1,16 @@
 """The OCR proxy benchmark in one command: pretrain (or reuse) the base model, then crd.py and dgpo.py on it with the
 PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables and validation grids.
 
-    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 150 iterations
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 300 iterations
 
-The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it, and
-the default's six runs and pretraining took 590 s on one H200; none: the CPU, slowly). `--variants` sweeps trainer
+    # the same in steps of under 10 minutes each on one H200 (pretraining ~2.5 min; each algorithm's 3 runs ~9 min)
+    python benchmark/ocr_proxy/pretrain.py --out ~/.cache/crd/ocr-proxy
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy_crd --algorithms crd
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy_dgpo --algorithms dgpo
+    bash run.sh compare runs/ocr_proxy_crd/runs/crd_seed0 runs/ocr_proxy_dgpo/runs/dgpo_seed0
+
+The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it; none:
+the CPU, slowly). `--variants` sweeps trainer
 settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL anchor teaches alone),
 `--final-guidances` scores the final checkpoints at more CFG scales. The reward is PP-OCR: by default the
 driver serves reward.PaddleScorer's reads from a pool of single-threaded engines to the trainers' `--reward vllm`
@@ -12,7 +18,8 @@ client (the same scores, in parallel; the in-process `--reward paddle` reads one
 `--scorer paddle` uses that instead.
 Both algorithms get the same prompts, seeds, iterations, images per iteration and optimizer steps: only the trainer
 script differs. Both anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
-anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy. Outputs in --out:
+anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy, and CRD's
+snapshot adapters keep following its policy (CRD_SNAPSHOTS), as DGPO's do. Outputs in --out:
     data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
     runs/{algo}[_{variant}]_seed{S}/   the trainers' run directories (TensorBoard events, summary.json)
     curves.png                   held-out PP-OCR (at the validation protocol) and rollout reward against iteration
@@ -58,6 +65,11 @@ from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo")
 KL_ONLY = "klonly"  # the variant of --kl-only-control
+# CRD's snapshot adapters keep moving: with crd.py's defaults (Flow-Factory's OCR schedules) the sampling and old
+# adapters both reach EMA decay 0.999 by iteration ~100, and on this proxy CRD then stops learning near 0.40 held-out
+# (RESULTS.md "v5"); with an on-policy sampler and the old adapter's decay capped at 0.9 it keeps rising to 200
+# iterations ("v6"). DGPO's snapshot never freezes (decay at most 0.3), so this matches the two, it tunes neither
+CRD_SNAPSHOTS = ("--sampling-decay", "0", "0", "0", "0", "--old-decay", "0", "0.25", "0.005", "0.9")
 # held-out PP-OCR in a run's TensorBoard: the trainers' PP-OCR judge where it ran (the control's reward reads nothing),
 # else their reward, the pool's PP-OCR
 HELD_OUT_TAGS = ("eval/reward_paddle", "eval/reward_mean")
@@ -73,7 +85,7 @@ class Args:
     """pretraining (its --pretrain.out is the model cache: reused when its configuration matches)"""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """RL seeds; each seed runs every algorithm (and variant)"""
-    iterations: int = 150
+    iterations: int = 300
     """RL iterations of every run"""
     eval_every: int = 10
     """held-out validation every N iterations (and before training)"""
@@ -139,9 +151,11 @@ def check_args(args: Args) -> None:
         trainer = importlib.import_module(algo)
         for variant in args.variants or ["="]:
             given = shlex.split(args.trainer_args) + shlex.split(variant.split("=", 1)[1])
-            for seed in args.seeds:  # as launch() passes it: before the given arguments, which may set another
+            driver = ["--kl-cfg", "1", *(CRD_SNAPSHOTS if algo == "crd" else ())]
+            for seed in args.seeds:  # as launch() passes them: before the given arguments, which may set another
                 try:
-                    trainer_args = tyro.cli(trainer.Args, args=["--seed", str(seed), *given], console_outputs=False)
+                    trainer_args = tyro.cli(trainer.Args, args=["--seed", str(seed), *driver, *given],
+                                            console_outputs=False)
                 except SystemExit:
                     fail(f"{shlex.join(given)!r}: not arguments of {algo}.py (see python {algo}.py --help)")
                 trainer_args.train_batch_size = trainer_args.train_batch_size or trainer_args.group_size
@@ -182,6 +196,7 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                # rose as far); to the unguided base, that control stays at the base to the bit ("v5"), so the curves
                # are the reward's. --trainer-args=--kl-cfg 4.5 restores the trainers' default
                "--kl-cfg", "1",
+               *(CRD_SNAPSHOTS if algo == "crd" else ()),
                *shlex.split(args.trainer_args), *shlex.split(variant_args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu)}
     print("+ " + " ".join(command), flush=True)
