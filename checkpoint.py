@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -381,6 +382,19 @@ def load_checkpoint(path, transformer, optimizer, device):
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as error:
         raise RunError(f"{Path(path) / 'optimizer.pt'}: not a readable optimizer state ({error})") from None
     return read_checkpoint_state(path)
+
+
+def start_state(args, transformer, optimizer, sampler, device, world_size, algorithm):
+    """The run's state (what trainer_state.json holds) at this start: a new run's, or --resume-from's, whose
+    checkpoint also restores the adapters, the optimizer and the sampler (else a RunError names what is wrong)."""
+    state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [],
+             "peak_mem_gib": {}}
+    if args.resume_from:
+        state = load_checkpoint(args.resume_from, transformer, optimizer, device)
+        sampler.load_state_dict(state["sampler"])
+    state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
+    state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=algorithm)
+    return state
 
 
 def peak_memory_gib(device):

@@ -17,32 +17,29 @@ flow-matching errors, onto the task reward. How it differs from GRPO/DDPO-style 
 """
 
 import json
-import math
 import os
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import tyro
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (GracefulStop, RunError, actor_peak_memory, load_checkpoint, other_gpus_memory, prepare_run,
-                        save_last_iteration, write_summary)
-from data import DataError, GroupSampler, load_prompts
-from reward import SCORERS, GuardedScorer, check_reward_model, make_scorer
-from rollout import (CompileCache, add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
-                     ema_update_, encode_prompts, load_pipeline, lora_parameters, negative_embeddings,
-                     predict_velocity, resolution_error, sample, use_adapter, warn_cut_targets)
+from checkpoint import (GracefulStop, RunError, actor_peak_memory, other_gpus_memory, prepare_run, save_last_iteration,
+                        start_state, write_summary)
+from common import (actor_device, agreed_stop, all_mean_, check_numbers, check_shared_args, fail, gather,
+                    leave_process_group, run_exit_code, timed, validate)
+from data import DataError, GroupSampler, load_train_and_eval_prompts
+from reward import GuardedScorer, check_reward_model, make_scorer
+from rollout import (CompileCache, add_lora_adapters, check_model_path, compile_blocks, compile_decoder, ema_update_,
+                     encode_prompts, load_pipeline, lora_parameters, negative_embeddings, predict_velocity,
+                     resolution_error, sample, use_adapter, warn_cut_targets)
 
 
 @dataclass
@@ -260,94 +257,10 @@ def micro_batch_rows(per_image, micro_batch):
     return per_image.unflatten(1, (-1, micro_batch)).transpose(0, 1).flatten(0, 2)
 
 
-def fail(message):
-    sys.exit(f"{Path(sys.argv[0]).name}: error: {message}")
-
-
-def check_numbers(args, bounds):
-    """One line for a float flag that is not finite or not above ('>') or at least ('>=') its bound."""
-    for flag, (op, bound) in bounds.items():
-        value = getattr(args, flag)
-        if not (math.isfinite(value) and (value > bound if op == ">" else value >= bound)):
-            fail(f"--{flag.replace('_', '-')} {value:g}: must be a finite number {op} {bound:g}")
-
-
 def check_args(args):
-    for flag, least in {"resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "lora_alpha": 1, "num_steps": 2,
-                        "train_batch_size": 1, "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0,
-                        "eval_steps": 1, "max_sequence_length": 1, "forward_batch_size": 0,
-                        "policy_timesteps_per_forward": 1, "max_nonfinite_steps": 1, "reward_retries": 0, "seed": 0,
-                        "eval_seed": 0}.items():
-        if getattr(args, flag) < least:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
-    check_numbers(args, {"learning_rate": (">", 0), "adam_eps": (">", 0), "weight_decay": (">=", 0),
-                         "max_grad_norm": (">", 0), "adv_clip": (">", 0), "reward_timeout": (">", 0),
-                         "eval_guidance": (">=", 1)})
-    if not all(0 <= beta < 1 for beta in args.adam_betas):
-        fail(f"--adam-betas {' '.join(f'{b:g}' for b in args.adam_betas)}: each must lie in [0, 1)")
-    if args.seed >= 2**23:  # image seeds are seed * 2^40 + iteration * 2^20 + image, below 2^63
-        fail(f"--seed {args.seed}: must be below 2^23 = {2**23}")
-    if args.max_sequence_length > 512:
-        fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most 512 tokens")
-    if args.reward == "vllm" and not args.reward_urls:
-        fail("--reward-urls: --reward vllm needs at least one server URL")
-    if args.eval_every and args.eval_prompts < 1:
-        fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns validation off)")
-    if args.overwrite and args.resume_from:
-        fail("--overwrite with --resume-from: a resume continues the run, it never replaces it")
-    if args.group_size < 2:
-        fail(f"--group-size {args.group_size}: centering needs at least 2 images per prompt")
-    if args.train_batch_size % args.group_size or (args.prompts_per_rank * args.group_size) % args.train_batch_size:
-        fail(f"--train-batch-size {args.train_batch_size} must be a multiple of --group-size {args.group_size} that "
-             f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
-    if args.resolution % 16:
-        fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
-    check_algorithm_args(args)
-    trainable = len(train_timestep_grid(range(args.num_steps), args))
-    if not 1 <= args.num_train_timesteps <= trainable:
-        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the trained steps of the "
-             f"{args.num_steps}-step rollout grid")
-    if args.reward not in SCORERS:
-        fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
-    for flag in ("device", "reward_device", "text_encoder_device"):
-        name = getattr(args, flag)
-        try:
-            index = torch.device(name).index if name else None
-        except RuntimeError:
-            fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
-        if name and torch.device(name).type not in ("cpu", "cuda"):
-            fail(f"--{flag.replace('_', '-')} {name}: the trainers run on cpu or cuda devices")
-        if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
-            fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-
-
-def all_mean_(tensors, world_size):
-    """Average tensors in place over ranks with one flat all-reduce."""
-    if world_size > 1:
-        flat = torch.cat([t.flatten() for t in tensors]) / world_size
-        dist.all_reduce(flat)
-        for t, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-            t.copy_(reduced)
-
-
-def gather(tensor, world_size):
-    if world_size == 1:
-        return tensor
-    out = tensor.new_empty(world_size * len(tensor), *tensor.shape[1:])
-    dist.all_gather_into_tensor(out, tensor.contiguous())
-    return out
-
-
-def timed(fn, *args):
-    """fn(*args) and the seconds it took."""
-    started = time.perf_counter()
-    return fn(*args), time.perf_counter() - started
-
-
-def collect(futures):
-    """Scores (N,) and the N transcriptions from the futures of a scorer's chunks, in order."""
-    chunks = [future.result() for future in futures]
-    return np.concatenate([chunk[0] for chunk in chunks]), [text for chunk in chunks for text in chunk[1]]
+    """Every flag before anything loads, each bad one as one line: the flags both trainers share (common.py), with
+    this algorithm's checks and its trained timesteps at their place among them."""
+    check_shared_args(args, check_algorithm_args, train_timestep_grid)
 
 
 if __name__ == "__main__":
@@ -360,30 +273,14 @@ if __name__ == "__main__":
     except RunError as error:
         fail(error)
     signals = GracefulStop()  # before the models load, on every rank: a signal then stops after the first iteration
-    device = torch.device(args.device)
-    if world_size > 1:
-        # ranks wait for rank 0's validation, and for each other's first compile: minutes, past the 10-minute default
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=60))
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-    elif device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # named "cuda:0" in summary.json
+    device = actor_device(args.device, world_size)  # several ranks: it joins their process group
     main_process = rank == 0
     torch.manual_seed(args.seed)  # the LoRA init; rollout and training noise have their own seeded generators
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
     G, B, T = args.group_size, args.prompts_per_rank * args.group_size, args.num_train_timesteps
 
     try:
-        train_set = load_prompts(args.train_data)[0]
-        eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
-        if args.eval_every and len(eval_set) < args.eval_prompts and main_process:
-            print(f"--eval-prompts {args.eval_prompts}: {args.eval_data} holds {len(eval_set)}; validating those")
-        if args.eval_every and Path(args.eval_data).resolve() == Path(args.train_data).resolve() and main_process:
-            print(f"--eval-data {args.eval_data} is --train-data: validation scores training prompts, not held-out ones")
-        if len(train_set) < args.prompts_per_rank * world_size:
-            fail(f"--train-data {args.train_data}: {len(train_set)} prompt(s), fewer than the --prompts-per-rank "
-                 f"{args.prompts_per_rank} x {world_size} rank(s) of one iteration")
+        train_set, eval_set = load_train_and_eval_prompts(args, world_size, verbose=main_process)
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
         check_model_path(args.model)
         if args.reward == "qwen-vl":
@@ -420,16 +317,10 @@ if __name__ == "__main__":
     negative = negative_embeddings(pipe, args.max_sequence_length)
 
     # TRY NOT TO MODIFY: run directory, resume, logging
-    state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [],
-             "peak_mem_gib": {}}
-    if args.resume_from:
-        try:
-            state = load_checkpoint(args.resume_from, transformer, optimizer, device)
-        except RunError as error:
-            fail(error)
-        sampler.load_state_dict(state["sampler"])
-    state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
-    state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=Path(__file__).stem)
+    try:
+        state = start_state(args, transformer, optimizer, sampler, device, world_size, Path(__file__).stem)
+    except RunError as error:
+        fail(error)
     writer = None
     if main_process:
         writer = SummaryWriter(run_dir, purge_step=state["iteration"] + 1 if state["iteration"] else None)
@@ -439,42 +330,8 @@ if __name__ == "__main__":
               f"{len(train_set)} train prompts, {len(eval_set)} eval prompts")
         warn_cut_targets(train_set + eval_set, pipe, args.max_sequence_length)
 
-    def evaluate(iteration):
-        started = time.perf_counter()
-        prompts, targets = [r["prompt"] for r in eval_set], [r["target"] for r in eval_set]
-        embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
-        scored, judged = [], []  # futures of (scores, texts)
-
-        def score_chunk(rows, chunk):  # the scorers read each chunk of images while the next one samples
-            scored.append(scoring.submit(scorer, chunk, targets[rows]))
-            if judge:
-                judged.append(judging.submit(judge, chunk, targets[rows]))
-
-        with use_adapter(transformer, "sampling"), autocast:
-            images = sample(pipe, embeds, pooled, [args.eval_seed + i for i in range(len(prompts))], args.eval_steps,
-                            args.eval_guidance, args.resolution, args.resolution, args.forward_batch_size,
-                            negative_embeds=negative[0], negative_pooled=negative[1], progress=True,
-                            on_decoded=score_chunk)["images"]
-        scores, texts = collect(scored)
-        writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
-        captions = [f"{s:.2f} {t}" for s, t in zip(scores, targets)]
-        transcriptions = [f"{t} -> {x!r}" for t, x in zip(targets, texts)]
-        judge_mean = None
-        if judge:  # what the judge adds to a validation: the wait for the part of it not hidden behind the sampling
-            waited = time.perf_counter()
-            judge_scores, judge_texts = collect(judged)
-            writer.add_scalar("perf/eval_judge_wait_s", time.perf_counter() - waited, iteration)
-            judge_mean = float(np.mean(judge_scores))
-            writer.add_scalar(f"eval/reward_{args.eval_judge}", judge_mean, iteration)
-            captions = [f"{s:.2f} ({args.eval_judge} {j:.2f}) {t}" for s, j, t in zip(scores, judge_scores, targets)]
-            transcriptions = [f"{line} ({args.eval_judge}: {x!r})" for line, x in zip(transcriptions, judge_texts)]
-        state["eval"].append([iteration, float(np.mean(scores)), judge_mean])
-        writer.add_image("eval/images", captioned_grid(images[:16], captions[:16]), iteration, dataformats="HWC")
-        writer.add_text("eval/transcriptions", "\n\n".join(transcriptions), iteration)
-        return time.perf_counter() - started
-
     if main_process and args.eval_every and not state["eval"]:
-        writer.add_scalar("perf/eval_s", evaluate(0), 0)
+        state["eval"].append(validate(pipe, eval_set, args, scorer, judge, scoring, judging, negative, autocast, writer, 0))
     nonfinite_streak, stop_signal, stopped_by = 0, 0, None
     iterations = tqdm(range(state["iteration"], args.num_iterations), initial=state["iteration"],
                       total=args.num_iterations, disable=not main_process, desc="iterations")
@@ -584,20 +441,12 @@ if __name__ == "__main__":
             iterations.set_postfix(reward=f"{float(rewards.mean()):.3f}", loss=f"{float(logged['losses/loss']):.4f}",
                                    s=f"{perf['iteration_s']:.1f}")
             if args.eval_every and ((iteration + 1) % args.eval_every == 0 or iteration + 1 == args.num_iterations):
-                writer.add_scalar("perf/eval_s", evaluate(iteration + 1), iteration + 1)
+                state["eval"].append(validate(pipe, eval_set, args, scorer, judge, scoring, judging, negative, autocast,
+                                              writer, iteration + 1))
         peaks = actor_peak_memory(device, world_size)  # after validation: it may be the peak
         state["peak_mem_gib"] = {k: max(v, state["peak_mem_gib"].get(k, 0.0)) for k, v in peaks.items()}
-        stop = torch.tensor([signals.signum or 0, nonfinite_streak >= args.max_nonfinite_steps, bool(scorer.failure)],
-                            device=device)  # the scorer may fail in validation
-        if world_size > 1:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops every rank
-        stop_signal, diverged, failed = stop.tolist()
-        if stop_signal:
-            stopped_by = signal.Signals(stop_signal).name
-        elif diverged:
-            stopped_by = f"{nonfinite_streak} consecutive non-finite gradients"
-        elif failed:
-            stopped_by = scorer.failure or "the reward failed on another rank"
+        stop_signal, stopped_by = agreed_stop(signals.signum, nonfinite_streak, args.max_nonfinite_steps,
+                                                scorer.failure, device, world_size)  # the scorer may fail in validation
         if main_process:
             writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iteration + 1)
         if stopped_by:
@@ -615,16 +464,9 @@ if __name__ == "__main__":
                                                            "text encoders": args.text_encoder_device}))
         writer.close()
         print(json.dumps(summary, indent=1))
-    exit_code = 128 + stop_signal if stop_signal else 0  # the shell's convention for a process ended by that signal
-    if stopped_by and not stop_signal:  # non-finite gradients or a failed scorer
-        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: stopped after iteration {state['iteration']} (the latest "
-              f"checkpoint is in {run_dir})", file=sys.stderr)
-        exit_code = 1
-    if world_size > 1:  # tear the process group down in step; then skip the interpreter's teardown, in which gloo's
-        dist.barrier()  # threads now and then abort the process ("terminate called without an active exception")
-        dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+    exit_code = run_exit_code(stop_signal, stopped_by, state["iteration"], run_dir)
+    if world_size > 1:
+        leave_process_group()
+        os._exit(exit_code)  # skips the interpreter's teardown, in which gloo's threads now and then abort
     if exit_code:
         sys.exit(exit_code)

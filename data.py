@@ -84,6 +84,22 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
     return records, skipped
 
 
+def load_train_and_eval_prompts(args, world_size: int, verbose: bool = True) -> tuple[list[dict], list[dict]]:
+    """A trainer's prompts: every record of --train-data and the first --eval-prompts of --eval-data. Fewer training
+    prompts than one iteration draws over all ranks is a DataError; with `verbose`, a validation set shorter than
+    asked for, or one that is the training set, is printed."""
+    train_set = load_prompts(args.train_data)[0]
+    eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
+    if args.eval_every and len(eval_set) < args.eval_prompts and verbose:
+        print(f"--eval-prompts {args.eval_prompts}: {args.eval_data} holds {len(eval_set)}; validating those")
+    if args.eval_every and Path(args.eval_data).resolve() == Path(args.train_data).resolve() and verbose:
+        print(f"--eval-data {args.eval_data} is --train-data: validation scores training prompts, not held-out ones")
+    if len(train_set) < args.prompts_per_rank * world_size:
+        raise DataError(f"--train-data {args.train_data}: {len(train_set)} prompt(s), fewer than the --prompts-per-rank "
+                        f"{args.prompts_per_rank} x {world_size} rank(s) of one iteration")
+    return train_set, eval_set
+
+
 def convert(inputs: list[str | Path], output_dir: str | Path, skip_untargeted: bool = False) -> dict[str, tuple[int, int]]:
     """Convert prompt files to output_dir/{name}.jsonl; returns {name: (written, skipped)}.
 
