@@ -32,6 +32,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from checkpoint import RunError, read_adapters
+from common import check_devices, fail
 from data import DataError, load_prompts
 from reward import SCORERS, ServerError, make_scorer
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
@@ -110,10 +111,6 @@ class Args:
     """keep every image as images/{index}.png, not only the grid's"""
 
 
-def fail(message):
-    sys.exit(f"{Path(sys.argv[0]).name}: error: {message}")
-
-
 def check_args(args):
     if args.checkpoint and args.lora:
         fail("--checkpoint and --lora: pass one of them (neither: the base model)")
@@ -132,16 +129,7 @@ def check_args(args):
         fail(f"--seed {args.seed}: must lie in [0, 2^62)")
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
-    for flag in ("device", "reward_device", "text_encoder_device"):
-        name = getattr(args, flag)
-        try:
-            index = torch.device(name).index if name else None
-        except RuntimeError:
-            fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
-        if name and torch.device(name).type not in ("cpu", "cuda"):
-            fail(f"--{flag.replace('_', '-')} {name}: evaluate.py runs on cpu or cuda devices")
-        if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
-            fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    check_devices(args, "evaluate.py runs")
 
 
 def sha256(*paths):
@@ -200,6 +188,18 @@ def check_lora_fits(transformer, targets, source):
         more = f", ({len(lacking) - 3} more)" if len(lacking) > 3 else ""
         fail(f"{source}: the LoRA does not fit the model: its keys name layers the model lacks: "
              f"{', '.join(lacking[:3])}{more}")
+
+
+def load_lora(transformer, lora, rank, alpha, source):
+    """`lora` ({key: tensor}) as adapter "evaluated" of `transformer`, on the layers it names; one line naming
+    `source` (the flag and path it came from) if it is a LoRA of another model."""
+    targets = sorted({key.split(".lora_")[0] for key in lora})  # the LoRA's own module names
+    check_lora_fits(transformer, targets, source)
+    add_lora_adapters(transformer, rank, alpha, names=("evaluated",), targets=targets)
+    try:
+        load_lora_state_dict(transformer, "evaluated", lora)
+    except RuntimeError as error:  # the same layer names with other sizes: a LoRA of another model
+        fail(f"{source}: the LoRA does not fit the model: {error}")
 
 
 def read_results(path, settings, prompts):
@@ -321,11 +321,8 @@ if __name__ == "__main__":
             if error := resolution_error(pipe, args.resolution):
                 fail(error)
             if lora:
-                targets_of_lora = sorted({key.split(".lora_")[0] for key in lora})  # the LoRA's own module names
-                check_lora_fits(pipe.transformer, targets_of_lora,
-                                f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--lora {args.lora}")
-                add_lora_adapters(pipe.transformer, rank, alpha, names=("evaluated",), targets=targets_of_lora)
-                load_lora_state_dict(pipe.transformer, "evaluated", lora)
+                load_lora(pipe.transformer, lora, rank, alpha,
+                          f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--lora {args.lora}")
             scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
                                  urls=args.reward_urls, batch_size=args.batch_size)
             judge = make_scorer(judge_name) if judge_name else None

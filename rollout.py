@@ -388,10 +388,14 @@ def lora_state_dict(transformer, name: str) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_lora_state_dict(transformer, name: str, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` (from `lora_state_dict` of any adapter) into adapter `name`, in place."""
+    """Copy `state` (from `lora_state_dict` of any adapter) into adapter `name`, in place. Other keys: KeyError;
+    other shapes (a LoRA of another model with the same layer names): RuntimeError naming the first."""
     params = dict(_named_lora_parameters(transformer, name))
     if params.keys() != state.keys():
         raise KeyError(f"state dict does not match adapter {name!r}: {sorted(params.keys() ^ state.keys())[:3]}")
+    for k, p in params.items():
+        if state[k].shape != p.shape:
+            raise RuntimeError(f"{k} has shape {tuple(state[k].shape)}, the model's layer takes {tuple(p.shape)}")
     for k, p in params.items():
         p.copy_(state[k])
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from reward import compressibility, make_scorer
@@ -209,3 +210,22 @@ def test_a_lora_naming_layers_the_model_lacks_is_named(tiny_pipe):
             "transformer_blocks.99.attn.to_k, transformer_blocks.99.attn.to_out.0, transformer_blocks.99.attn.to_q, "
             "(1 more)")):
         evaluate.check_lora_fits(tiny_pipe.transformer, fitting + lacking, "--lora DIR")
+
+
+def test_a_lora_with_other_layer_sizes_is_named(tiny_model_dir):
+    """The same layer names with other sizes (a LoRA of a wider model) is one line naming the layer and both shapes,
+    not torch's size-mismatch traceback; a LoRA of the right sizes loads."""
+    import evaluate
+    import rollout
+
+    trained = rollout.load_pipeline(str(tiny_model_dir)).transformer
+    rollout.add_lora_adapters(trained, 4, 4, names=("policy",))
+    lora = {key: value.clone() for key, value in rollout.lora_state_dict(trained, "policy").items()}
+    evaluate.load_lora(rollout.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
+    key = next(k for k in lora if ".lora_A." in k)
+    rank, width = lora[key].shape
+    lora[key] = torch.zeros(rank, width + 8)
+    with pytest.raises(SystemExit, match=re.escape(
+            f"--lora DIR: the LoRA does not fit the model: {key} has shape ({rank}, {width + 8}), the model's layer "
+            f"takes ({rank}, {width})")):
+        evaluate.load_lora(rollout.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
