@@ -164,12 +164,23 @@ def prepare_run(args, algorithm, world_size, main_process):
     if not main_process:
         return run_dir, None
     if args.dry_run:  # checked, but neither created nor locked: the real run may start in a while
-        existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise RunError(f"cannot create the run directory {run_dir}: {existing} is not a writable directory")
+        if blocked := directory_blocked(run_dir):
+            raise RunError(f"cannot create the run directory {run_dir}: {blocked}")
         held_run(run_dir, bool(args.resume_from), args.overwrite)
         return run_dir, None
     return run_dir, claim_run_directory(run_dir, bool(args.resume_from), args.overwrite)
+
+
+def directory_blocked(path):
+    """Why a directory cannot be made (or used) at `path`: it, or its nearest existing parent, is a file or a directory
+    this process cannot write into; None if nothing stands in the way. Checks only: nothing is created."""
+    path = Path(path)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return "a file, not a directory" if existing == path else f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is a directory this user cannot write into"
+    return None
 
 
 def run_directory(args, default_name):
@@ -257,9 +268,10 @@ class GracefulStop:
 def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
     """Write global_step_{iteration}/ atomically (a temporary directory renamed at the end), readable as the user's
     umask allows, and keep the latest keep_last (0: all). Its trainer_state.json is `state` with the sha256 of the
-    prompt files its args name ("data_sha256"), which a resume compares. A full disk or another write error: RunError
-    naming the latest complete checkpoint, nothing half-written left."""
-    if hashes := prompt_files_sha256(state.get("args", {})):
+    prompt files its args name ("data_sha256", which a resume compares): the trainers record them at start
+    (start_state), else they are taken now. A full disk or another write error: RunError naming the latest complete
+    checkpoint, nothing half-written left."""
+    if "data_sha256" not in state and (hashes := prompt_files_sha256(state.get("args", {}))):
         state = {**state, "data_sha256": hashes}
     try:
         partial = Path(tempfile.mkdtemp(prefix=f".global_step_{iteration}.", dir=run_dir))
@@ -394,6 +406,8 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
         sampler.load_state_dict(state["sampler"])
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
     state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=algorithm)
+    # the prompt files as this start read them: a file edited later in the run is a change that a resume refuses
+    state["data_sha256"] = prompt_files_sha256(state["args"])
     return state
 
 

@@ -25,6 +25,7 @@ import crd
 import dgpo
 import reward
 import rollout
+from data import GroupSampler
 from ocr_server import ocr_server
 from test_trainers import DATA, ROOT, TINY_RUN, train
 
@@ -178,6 +179,8 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
         with pytest.raises(checkpoint.RunError, match=re.escape(f"cannot create the run directory {tmp_path}/file/r")):
             checkpoint.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=dry_run), "crd", 1,
                                    True)
+    with pytest.raises(checkpoint.RunError, match=re.escape(f"{tmp_path}/file/r: {tmp_path}/file is a file, not a")):
+        checkpoint.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=True), "crd", 1, True)
 
 
 def saved_run(lora_transformer, tmp_path):
@@ -322,6 +325,21 @@ def test_a_resume_refuses_prompt_files_whose_contents_changed(lora_transformer, 
     del state["data_sha256"]
     (step / "trainer_state.json").write_text(json.dumps(state))
     assert resume(args, step)[0] == step.parent
+
+
+def test_prompt_files_edited_during_a_run_are_refused_at_resume(lora_transformer, tmp_path):
+    """The trainers fingerprint the prompt files when the run starts, not when it saves: a file edited mid-run keeps
+    the fingerprint of what the run trained on, and a resume on the edited file is refused."""
+    transformer, optimizer = lora_transformer
+    step, args = saved_run(lora_transformer, tmp_path)  # the prompt files in tmp_path, as the run reads them
+    started = hashlib.sha256((tmp_path / "train.txt").read_bytes()).hexdigest()
+    args = dataclasses.replace(args, dry_run=False)
+    state = checkpoint.start_state(args, transformer, optimizer, GroupSampler(4, 1, 4, 0, 0, 1), "cpu", 1, "crd")
+    (tmp_path / "train.txt").write_text((tmp_path / "train.txt").read_text().replace("a", "b"))
+    step = checkpoint.save_checkpoint(tmp_path / "run", 2, transformer, optimizer, {**state, "iteration": 2}, 0)
+    assert json.loads((step / "trainer_state.json").read_text())["data_sha256"]["train_data"] == started
+    with pytest.raises(checkpoint.RunError, match="its contents changed since global_step_2"):
+        resume(dataclasses.replace(args, dry_run=True), step)
 
 
 def test_overwrite_replaces_the_previous_run(tiny_model_dir, tmp_path):

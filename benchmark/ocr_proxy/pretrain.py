@@ -40,6 +40,7 @@ import torch.nn.functional as F
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import checkpoint  # noqa: E402
 import rollout  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
 from diffusers import StableDiffusion3Pipeline  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
@@ -117,14 +118,6 @@ class Args:
     """PP-OCR processes for validation (0: in this process)"""
 
 
-def directory_blocked(path: Path) -> str | None:
-    """Why no directory can be made at `path` (a file there or at its nearest existing parent), or None."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if existing.is_dir():
-        return None
-    return "a file, not a directory" if existing == path else f"{existing} is a file, not a directory"
-
-
 def unreadable_renders(task: Task) -> str | None:
     """Why the task's renders cannot be read (as a pretrain.py error), or None: a symbol without ink (the font is too
     small), two symbols drawn alike (the font lacks their glyphs and draws the same box), or a longest word (`length`
@@ -175,7 +168,7 @@ def check_args(args: Args) -> None:
                               "validation_guidance": (1, math.inf)}.items():
         if not (math.isfinite(getattr(args, flag)) and low <= getattr(args, flag) <= high):
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag):g}: must be a finite number in [{low:g}, {high:g}]")
-    blocked = directory_blocked(Path(args.out).expanduser())
+    blocked = checkpoint.directory_blocked(Path(args.out).expanduser())
     if blocked:
         fail(f"--out {args.out}: {blocked}")
     if args.task.resolution < 16 or args.task.resolution % 16:

@@ -123,7 +123,7 @@ def check_args(args: Args) -> None:
 
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
         fail(f"--seeds {' '.join(map(str, args.seeds))}: give one or more distinct seeds")
-    blocked = pretrain.directory_blocked(Path(args.out))
+    blocked = checkpoint.directory_blocked(Path(args.out))
     if blocked:
         fail(f"--out {args.out}: {blocked}")
     if not args.algorithms:
