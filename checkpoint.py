@@ -396,9 +396,10 @@ def load_checkpoint(path, transformer, optimizer, device):
     return read_checkpoint_state(path)
 
 
-def start_state(args, transformer, optimizer, sampler, device, world_size, algorithm):
+def start_state(args, transformer, optimizer, sampler, device, world_size, algorithm, prompt_sha256):
     """The run's state (what trainer_state.json holds) at this start: a new run's, or --resume-from's, whose
-    checkpoint also restores the adapters, the optimizer and the sampler (else a RunError names what is wrong)."""
+    checkpoint also restores the adapters, the optimizer and the sampler (else a RunError names what is wrong).
+    `prompt_sha256`: prompt_files_sha256 of the prompt files when the trainer read them, what every save records."""
     state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [],
              "peak_mem_gib": {}}
     if args.resume_from:
@@ -406,8 +407,7 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
         sampler.load_state_dict(state["sampler"])
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
     state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=algorithm)
-    # the prompt files as this start read them: a file edited later in the run is a change that a resume refuses
-    state["data_sha256"] = prompt_files_sha256(state["args"])
+    state["data_sha256"] = prompt_sha256  # a file edited later in the run is then a change that a resume refuses
     return state
 
 

@@ -31,8 +31,8 @@ import tyro
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (GracefulStop, RunError, actor_peak_memory, other_gpus_memory, prepare_run, save_last_iteration,
-                        start_state, write_summary)
+from checkpoint import (GracefulStop, RunError, actor_peak_memory, other_gpus_memory, prepare_run, prompt_files_sha256,
+                        save_last_iteration, start_state, write_summary)
 from common import (actor_device, agreed_stop, all_mean_, check_numbers, check_shared_args, fail, gather,
                     leave_process_group, run_exit_code, timed, validate)
 from data import DataError, GroupSampler, load_train_and_eval_prompts
@@ -281,6 +281,7 @@ if __name__ == "__main__":
 
     try:
         train_set, eval_set = load_train_and_eval_prompts(args, world_size, verbose=main_process)
+        prompt_sha256 = prompt_files_sha256(vars(args))  # as just read: a later edit is refused at resume
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
         check_model_path(args.model)
         if args.reward == "qwen-vl":
@@ -318,7 +319,8 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: run directory, resume, logging
     try:
-        state = start_state(args, transformer, optimizer, sampler, device, world_size, Path(__file__).stem)
+        state = start_state(args, transformer, optimizer, sampler, device, world_size, Path(__file__).stem,
+                            prompt_sha256)
     except RunError as error:
         fail(error)
     writer = None

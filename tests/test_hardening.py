@@ -334,7 +334,8 @@ def test_prompt_files_edited_during_a_run_are_refused_at_resume(lora_transformer
     step, args = saved_run(lora_transformer, tmp_path)  # the prompt files in tmp_path, as the run reads them
     started = hashlib.sha256((tmp_path / "train.txt").read_bytes()).hexdigest()
     args = dataclasses.replace(args, dry_run=False)
-    state = checkpoint.start_state(args, transformer, optimizer, GroupSampler(4, 1, 4, 0, 0, 1), "cpu", 1, "crd")
+    state = checkpoint.start_state(args, transformer, optimizer, GroupSampler(4, 1, 4, 0, 0, 1), "cpu", 1, "crd",
+                                   checkpoint.prompt_files_sha256(vars(args)))
     (tmp_path / "train.txt").write_text((tmp_path / "train.txt").read_text().replace("a", "b"))
     step = checkpoint.save_checkpoint(tmp_path / "run", 2, transformer, optimizer, {**state, "iteration": 2}, 0)
     assert json.loads((step / "trainer_state.json").read_text())["data_sha256"]["train_data"] == started
