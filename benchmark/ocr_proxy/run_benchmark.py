@@ -65,7 +65,8 @@ from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo")
 KL_ONLY = "klonly"  # the variant of --kl-only-control
-# CRD's snapshot adapters keep moving: with crd.py's defaults (Flow-Factory's OCR schedules) the sampling and old
+# CRD's snapshot adapters keep moving: with crd.py's defaults (Flow-Factory's OCR schedules,
+# examples/crd/lora/sd3_5/default.yaml:55-56) the sampling and old
 # adapters both reach EMA decay 0.999 by iteration ~100, and on this proxy CRD then stops learning near 0.40 held-out
 # (RESULTS.md "v5"); with an on-policy sampler and the old adapter's decay capped at 0.9 it keeps rising to 200
 # iterations ("v6"). DGPO's snapshot never freezes (decay at most 0.3), so this matches the two, it tunes neither
