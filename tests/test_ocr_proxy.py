@@ -118,7 +118,8 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     from benchmark.ocr_proxy import run_benchmark
 
     args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
-                              iterations=2, eval_every=1, eval_prompts=2, ocr_workers=1, kl_only_control=True,
+                              iterations=2, eval_every=1, eval_prompts=2, eval_split="validation", ocr_workers=1,
+                              kl_only_control=True,
                               trainer_args="--prompts-per-rank 1 --group-size 2 --num-steps 3 --num-train-timesteps 1")
     report = run_benchmark.main(args)
     out = tmp_path / "bench"
@@ -139,6 +140,8 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
         assert scores["checkpoint"] == "global_step_2"
         settings = json.loads((out / "runs" / name / "global_step_2" / "trainer_state.json").read_text())["args"]
         assert settings["kl_cfg"] == 1.0
+        # --eval-split validation: the runs validate on the words that stopped pretraining, never on the test words
+        assert [r["target"] for r in load_prompts(settings["eval_data"])[0]] == split_words(SMALL_TASK, 0)["validation"]
         if name.startswith("crd"):  # CRD's snapshots keep moving; DGPO's never freeze
             assert settings["sampling_decay"] == [0, 0, 0, 0] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
         assert set(scores) == {"checkpoint", "cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
@@ -159,7 +162,9 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     (dict(trainer_args="--run-name 'a"), "--trainer-args \"--run-name 'a\": No closing quotation"),
     (dict(seeds=[0, 0]), "--seeds 0 0: give one or more distinct seeds"),
     (dict(iterations=0), "--iterations 0: must be at least 1"),
-    (dict(eval_prompts=5), "--eval-prompts 5: more than the task's 4 held-out words (--pretrain.task.test-words)"),
+    (dict(eval_prompts=5), "--eval-prompts 5: more than the task's 4 test words (--pretrain.task.test-words)"),
+    (dict(eval_prompts=5, eval_split="validation"),
+     "--eval-prompts 5: more than the task's 4 validation words (--pretrain.task.validation-words)"),
     (dict(algorithms=[]), "--algorithms: give crd, dgpo or both"),
     (dict(trainer_args="--lerning-rate 1e-4"), "'--lerning-rate 1e-4': not arguments of crd.py (see python crd.py --help)"),
     (dict(algorithms=["dgpo"], variants=["a=--clip-range -1"]), "--clip-range -1: must be a finite number >= 0"),

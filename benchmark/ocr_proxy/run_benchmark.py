@@ -20,7 +20,8 @@ Both algorithms get the same prompts, seeds, iterations, images per iteration an
 script differs. Both anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
 anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy, and CRD's
 snapshot adapters keep following its policy (CRD_SNAPSHOTS), as DGPO's do. Outputs in --out:
-    data/{train,test}.jsonl      RL prompts: the pretraining's training words, and held-out words it never saw
+    data/train.jsonl, data/{test,validation}.jsonl   RL prompts: the pretraining's training words, and the held-out
+                                 words the runs validate on (--eval-split)
     runs/{algo}[_{variant}]_seed{S}/   the trainers' run directories (TensorBoard events, summary.json)
     curves.png                   held-out PP-OCR (at the validation protocol) and rollout reward against iteration
     compare_[{variant}_]seed{S}.md     `bash run.sh compare` of the algorithms' runs
@@ -91,7 +92,11 @@ class Args:
     eval_every: int = 10
     """held-out validation every N iterations (and before training)"""
     eval_prompts: int = 128
-    """held-out test words validated"""
+    """held-out words validated"""
+    eval_split: Literal["test", "validation"] = "test"
+    """held-out words the runs validate on and the final scores use: test (never shown in pretraining, never used for a
+    decision: the report), or validation (they stopped pretraining; never trained on): a sweep chooses settings on
+    them so that test stays unseen"""
     time_limit_s: float = 0.0
     """if > 0: the whole benchmark's wall-time budget; runs still training then get SIGTERM (each finishes its
     iteration and writes its summary) and the iterations reached are reported"""
@@ -132,9 +137,10 @@ def check_args(args: Args) -> None:
     for flag in ("iterations", "eval_every", "eval_prompts"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
-    if args.eval_prompts > args.pretrain.task.test_words:
-        fail(f"--eval-prompts {args.eval_prompts}: more than the task's {args.pretrain.task.test_words} held-out words "
-             "(--pretrain.task.test-words)")
+    held_out = getattr(args.pretrain.task, f"{args.eval_split}_words")
+    if args.eval_prompts > held_out:
+        fail(f"--eval-prompts {args.eval_prompts}: more than the task's {held_out} {args.eval_split} words "
+             f"(--pretrain.task.{args.eval_split}-words)")
     for variant in args.variants:
         name = variant.split("=", 1)[0]
         if "=" not in variant or not name or "/" in name:
@@ -179,7 +185,7 @@ def run_name(algo: str, variant: str, seed: int) -> str:
 def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int], model: Path, data: Path, runs: Path,
            max_sequence_length: int, reward: list[str], variant_args: str, args: Args) -> subprocess.Popen:
     command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), *reward,
-               "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / "test.jsonl"),
+               "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / f"{args.eval_split}.jsonl"),
                "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
                "--num-iterations", str(args.iterations), "--eval-every", str(args.eval_every),
                "--eval-prompts", str(args.eval_prompts), "--eval-guidance", str(args.pretrain.validation_guidance),
@@ -307,7 +313,7 @@ def main(args: Args) -> dict:
     report["base"] = {k: proxy[k] for k in ("chosen", "test_base", "stopped_by", "times", "parameters", "vae_mse")}
     words = split_words(args.pretrain.task, args.pretrain.seed)
     write_prompts(data / "train.jsonl", words["train"])
-    write_prompts(data / "test.jsonl", words["test"])
+    write_prompts(data / f"{args.eval_split}.jsonl", words[args.eval_split])
 
     started = time.perf_counter()
     gpus = gpu_count()
@@ -338,7 +344,7 @@ def main(args: Args) -> dict:
                      **{f"cfg{g:g}_{args.pretrain.validation_steps}steps": (g, args.pretrain.validation_steps)
                         for g in args.final_guidances}}
         report["final_scores"] = final_scores(model, {run_name(*job): runs / run_name(*job) for job in jobs},
-                                              words["test"][: args.eval_prompts], pool,
+                                              words[args.eval_split][: args.eval_prompts], pool,
                                               args.pretrain.max_sequence_length, args.pretrain.task.resolution,
                                               protocols)
         report["phases_s"]["final_scores"] = time.perf_counter() - started
