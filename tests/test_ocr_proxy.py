@@ -143,7 +143,7 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
         # --eval-split validation: the runs validate on the words that stopped pretraining, never on the test words
         assert [r["target"] for r in load_prompts(settings["eval_data"])[0]] == split_words(SMALL_TASK, 0)["validation"]
         if name.startswith("crd"):  # CRD's snapshots keep moving; DGPO's never freeze
-            assert settings["sampling_decay"] == [0, 0, 0, 0] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
+            assert settings["sampling_decay"] == [75, 0, 0.0075, 0.9] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
         assert set(scores) == {"checkpoint", "cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
         assert all(0.0 <= scores[k] <= 1.0 for k in scores if k != "checkpoint")
     # the driver's scoring of the last checkpoint reproduces the trainer's last validation (same sampler, seeds, words)

@@ -19,7 +19,7 @@ client (the same scores, in parallel; the in-process `--reward paddle` reads one
 Both algorithms get the same prompts, seeds, iterations, images per iteration and optimizer steps: only the trainer
 script differs. Both anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
 anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy, and CRD's
-snapshot adapters keep following its policy (CRD_SNAPSHOTS), as DGPO's do. Outputs in --out:
+snapshot adapters never freeze (CRD_SNAPSHOTS), like DGPO's. Outputs in --out:
     data/train.jsonl, data/{test,validation}.jsonl   RL prompts: the pretraining's training words, and the held-out
                                  words the runs validate on (--eval-split)
     runs/{algo}[_{variant}]_seed{S}/   the trainers' run directories (TensorBoard events, summary.json)
@@ -67,11 +67,12 @@ from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 ALGORITHMS = ("crd", "dgpo")
 KL_ONLY = "klonly"  # the variant of --kl-only-control
 # CRD's snapshot adapters keep moving: with crd.py's defaults (Flow-Factory's OCR schedules,
-# examples/crd/lora/sd3_5/default.yaml:55-56) the sampling and old
-# adapters both reach EMA decay 0.999 by iteration ~100, and on this proxy CRD then stops learning near 0.40 held-out
-# (RESULTS.md "v5"); with an on-policy sampler and the old adapter's decay capped at 0.9 it keeps rising to 200
-# iterations ("v6"). DGPO's snapshot never freezes (decay at most 0.3), so this matches the two, it tunes neither
-CRD_SNAPSHOTS = ("--sampling-decay", "0", "0", "0", "0", "--old-decay", "0", "0.25", "0.005", "0.9")
+# examples/crd/lora/sd3_5/default.yaml:55-56) the sampling and old adapters both reach EMA decay 0.999 by iteration
+# ~100, and on this proxy CRD then stops learning near 0.40 held-out (RESULTS.md "v5"); with their decay capped it keeps
+# rising ("v6"). Both follow those schedules' ramps up to a decay of 0.9 (an EMA over ~10 iterations) and stay there
+# ("v7": CRD then rolls out and validates with a decoupled EMA of its policy, as the paper intends). DGPO's snapshot
+# never freezes (decay at most 0.3), so this matches the two, it tunes neither
+CRD_SNAPSHOTS = ("--sampling-decay", "75", "0", "0.0075", "0.9", "--old-decay", "0", "0.25", "0.005", "0.9")
 # held-out PP-OCR in a run's TensorBoard: the trainers' PP-OCR judge where it ran (the control's reward reads nothing),
 # else their reward, the pool's PP-OCR
 HELD_OUT_TAGS = ("eval/reward_paddle", "eval/reward_mean")
@@ -216,8 +217,9 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
                  resolution: int, protocols: dict[str, tuple[float, int]]) -> dict:
     """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
     and of each run's last checkpoint, with the adapter the trainers validate and roll out with ("sampling"), and with
-    the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is a slow EMA of the
-    policy (decay 0.999 from iteration 104 on), DGPO's follows it closely."""
+    the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
+    policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
+    closely."""
     cuda = torch.cuda.is_available()
     pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
