@@ -457,17 +457,18 @@ def export_lora(transformer, name: str, out_dir: str | Path) -> None:
     )
 
 
-def compile_blocks(transformer) -> None:
+def compile_blocks(transformer, dynamic: bool | None = True) -> None:
     """Regional torch.compile: each transformer block is compiled, the embeddings and output layer stay eager.
 
     The blocks share their code, so a few graphs serve all 24 of SD3.5-M's: one per block kind (dual attention,
     plain, last), adapter setting (a named adapter or none: use_adapter keeps peft's active adapter name fixed) and
-    grad mode; the batch size is dynamic. Compiling takes minutes, paid in the first iteration and the first
+    grad mode; the batch size is dynamic (`dynamic`, torch.compile's: None makes a dimension symbolic only once it
+    changes, benchmark/startup.py's "auto"). Compiling takes minutes, paid in the first iteration and the first
     validation, unless a CompileCache holds them.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in transformer.transformer_blocks:
-        block.compile(dynamic=True)
+        block.compile(dynamic=dynamic)
     for layer in (transformer.pos_embed, transformer.context_embedder):  # they make the first block's inputs
         layer.register_forward_hook(_like_a_block_output)
 

@@ -16,6 +16,7 @@ reports torch.compile's own account at exit: the graphs compiled and the seconds
 
 import argparse
 import atexit
+import functools
 import json
 import os
 import runpy
@@ -34,21 +35,9 @@ TRAINER = ["--model", "random-sd3.5-medium", "--reward", "brightness", "--eval-j
 STARTS = ("cold", "warm-file", "warm-machine")
 
 
-def compile_blocks_automatic_dynamic(transformer):
-    """rollout.compile_blocks with dynamo's automatic dynamic shapes: each graph is first compiled for the shapes it
-    sees, and again with a dimension symbolic only once that dimension changes (the policy's grad pass, always 18 rows,
-    stays static)."""
-    import rollout
-    import torch
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for block in transformer.transformer_blocks:
-        block.compile(dynamic=None)
-    for layer in (transformer.pos_embed, transformer.context_embedder):
-        layer.register_forward_hook(rollout._like_a_block_output)
-
-
-VARIANTS = {"main": None, "auto": compile_blocks_automatic_dynamic}
+# ways of compiling the blocks: rollout.compile_blocks's `dynamic` (auto: a dimension symbolic only once it changes;
+# the policy's grad pass, always 18 rows, stays static)
+VARIANTS = {"main": True, "auto": None}
 
 
 def child(variant: str, report: Path, trainer_args: list[str]) -> None:
@@ -56,8 +45,8 @@ def child(variant: str, report: Path, trainer_args: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     import rollout
 
-    if VARIANTS[variant]:
-        rollout.compile_blocks = VARIANTS[variant]  # crd.py imports it by name when it runs below
+    # crd.py imports it by name when it runs below
+    rollout.compile_blocks = functools.partial(rollout.compile_blocks, dynamic=VARIANTS[variant])
     started = time.perf_counter()
 
     @atexit.register
