@@ -119,8 +119,8 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
 
     args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                               iterations=2, eval_every=1, eval_prompts=2, eval_split="validation", ocr_workers=1,
-                              kl_only_control=True,
-                              trainer_args="--prompts-per-rank 1 --group-size 2 --num-steps 3 --num-train-timesteps 1")
+                              kl_only_control=True, prompts=2, group_size=2, train_batch_size=4,
+                              trainer_args="--num-steps 3 --num-train-timesteps 1")
     report = run_benchmark.main(args)
     out = tmp_path / "bench"
     runs = ("crd_seed3", "dgpo_seed3", "crd_klonly_seed3", "dgpo_klonly_seed3")
@@ -140,6 +140,9 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
         assert scores["checkpoint"] == "global_step_2"
         settings = json.loads((out / "runs" / name / "global_step_2" / "trainer_state.json").read_text())["args"]
         assert settings["kl_cfg"] == 1.0
+        # the driver's group structure, the same for both algorithms: 2 prompts x 2 images, one optimizer step of both
+        assert (settings["prompts_per_rank"], settings["group_size"], settings["train_batch_size"]) == (2, 2, 4)
+        assert json.loads((out / "runs" / name / "summary.json").read_text())["optimizer_steps"] == 2
         # --eval-split validation: the runs validate on the words that stopped pretraining, never on the test words
         assert [r["target"] for r in load_prompts(settings["eval_data"])[0]] == split_words(SMALL_TASK, 0)["validation"]
         if name.startswith("crd"):  # CRD's snapshots keep moving; DGPO's never freeze

@@ -1,7 +1,7 @@
 """The OCR proxy benchmark in one command: pretrain (or reuse) the base model, then crd.py and dgpo.py on it with the
 PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables and validation grids.
 
-    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 300 iterations
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 250 iterations
 
     # the same in steps of under 10 minutes each on one H200 (pretraining ~2.5 min; each algorithm's 3 runs ~9 min)
     python benchmark/ocr_proxy/pretrain.py --out ~/.cache/crd/ocr-proxy
@@ -88,9 +88,19 @@ class Args:
     """pretraining (its --pretrain.out is the model cache: reused when its configuration matches)"""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """RL seeds; each seed runs every algorithm (and variant)"""
-    iterations: int = 300
+    iterations: int = 250
     """RL iterations of every run"""
-    eval_every: int = 10
+    # 8 prompts x 6 images, 2 optimizer steps of 24 images: the recipe's groups, with the paper's 2 optimizer steps per
+    # rollout round (Flow-Factory examples/crd/lora/sd3_5/default.yaml:85, gradient_step_per_epoch: 2; its rounds hold
+    # 48 prompts x 24 images, 576 an optimizer step). The recipe's 4 x 6 with one group a step learns less per
+    # iteration on this proxy (RESULTS.md "v8"); CRD's snapshot schedules then count k = its optimizer steps exactly
+    prompts: int = 8
+    """prompts per iteration (the trainers' --prompts-per-rank)"""
+    group_size: int = 6
+    """images per prompt"""
+    train_batch_size: int = 24
+    """images per optimizer step, a multiple of --group-size"""
+    eval_every: int = 25
     """held-out validation every N iterations (and before training)"""
     eval_prompts: int = 128
     """held-out words validated"""
@@ -159,7 +169,7 @@ def check_args(args: Args) -> None:
         trainer = importlib.import_module(algo)
         for variant in args.variants or ["="]:
             given = shlex.split(args.trainer_args) + shlex.split(variant.split("=", 1)[1])
-            driver = ["--kl-cfg", "1", *(CRD_SNAPSHOTS if algo == "crd" else ())]
+            driver = [*group_structure(args), "--kl-cfg", "1", *(CRD_SNAPSHOTS if algo == "crd" else ())]
             for seed in args.seeds:  # as launch() passes them: before the given arguments, which may set another
                 try:
                     trainer_args = tyro.cli(trainer.Args, args=["--seed", str(seed), *driver, *given],
@@ -179,6 +189,11 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU") for line in out.splitlines())
 
 
+def group_structure(args: Args) -> list[str]:
+    return ["--prompts-per-rank", str(args.prompts), "--group-size", str(args.group_size),
+            "--train-batch-size", str(args.train_batch_size)]
+
+
 def run_name(algo: str, variant: str, seed: int) -> str:
     return f"{algo}_{variant}_seed{seed}" if variant else f"{algo}_seed{seed}"
 
@@ -193,7 +208,7 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                "--eval-steps", str(args.pretrain.validation_steps), "--save-every", str(args.iterations),
                "--seed", str(seed),
                "--output-dir", str(runs), "--run-name", run_name(algo, variant, seed),
-               "--device", "cpu" if gpu is None else "cuda",
+               "--device", "cpu" if gpu is None else "cuda", *group_structure(args),
                "--no-compile",  # a 15.5M-parameter model: compiling would take longer than it saves
                # whole passes in one forward: the defaults cut them for SD3.5-M's memory, and a model this small runs
                # launch-bound (same numbers up to float rounding; six runs sharing one H200: 2.2-2.4 -> 1.6-1.8 s an
