@@ -1,7 +1,7 @@
 """The OCR proxy benchmark in one command: pretrain (or reuse) the base model, then crd.py and dgpo.py on it with the
 PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables and validation grids.
 
-    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 250 iterations
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 225 iterations
 
     # the same in steps of under 10 minutes each on one H200 (pretraining ~2.5 min; each algorithm's 3 runs ~9 min)
     python benchmark/ocr_proxy/pretrain.py --out ~/.cache/crd/ocr-proxy
@@ -88,7 +88,7 @@ class Args:
     """pretraining (its --pretrain.out is the model cache: reused when its configuration matches)"""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """RL seeds; each seed runs every algorithm (and variant)"""
-    iterations: int = 250
+    iterations: int = 225
     """RL iterations of every run"""
     # 8 prompts x 6 images, 2 optimizer steps of 24 images: the recipe's groups, with the paper's 2 optimizer steps per
     # rollout round (Flow-Factory examples/crd/lora/sd3_5/default.yaml:85, gradient_step_per_epoch: 2; its rounds hold
