@@ -119,7 +119,7 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
 
     args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                               iterations=2, eval_every=1, eval_prompts=2, eval_split="validation", ocr_workers=1,
-                              kl_only_control=True, prompts=2, group_size=2, train_batch_size=4,
+                              kl_only_control=True, prompts_per_rank=2, group_size=2, train_batch_size=4,
                               trainer_args="--num-steps 3 --num-train-timesteps 1")
     report = run_benchmark.main(args)
     out = tmp_path / "bench"
@@ -181,6 +181,8 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     (dict(pretrain=dict(prompt_dropout=2.0)), "--prompt-dropout 2: must be a finite number in [0, 1]"),
     (dict(pretrain=dict(learning_rate=float("nan"))), "--learning-rate nan: must be a finite number > 0"),
     (dict(seeds=[-1]), "--seed -1: must be at least 0"),  # the trainers' check of every seed
+    (dict(prompts_per_rank=0), "--prompts-per-rank 0: must be at least 1"),
+    (dict(train_batch_size=7), "--train-batch-size 7 must be a multiple of --group-size 6 that divides the 48 images"),
     (dict(seeds=[0, 9999999999]), "--seed 9999999999: must be below 2^23"),
     (dict(out="file"), "run_benchmark.py: error: --out file: a file, not a directory"),
     (dict(out="file/sub"), "run_benchmark.py: error: --out file/sub: file is a file, not a directory"),

@@ -94,8 +94,8 @@ class Args:
     # rollout round (Flow-Factory examples/crd/lora/sd3_5/default.yaml:85, gradient_step_per_epoch: 2; its rounds hold
     # 48 prompts x 24 images, 576 an optimizer step). The recipe's 4 x 6 with one group a step learns less per
     # iteration on this proxy (RESULTS.md "v8"); CRD's snapshot schedules then count k = its optimizer steps exactly
-    prompts: int = 8
-    """prompts per iteration (the trainers' --prompts-per-rank)"""
+    prompts_per_rank: int = 8
+    """prompts per iteration of each run"""
     group_size: int = 6
     """images per prompt"""
     train_batch_size: int = 24
@@ -190,7 +190,7 @@ def gpu_count() -> int:
 
 
 def group_structure(args: Args) -> list[str]:
-    return ["--prompts-per-rank", str(args.prompts), "--group-size", str(args.group_size),
+    return ["--prompts-per-rank", str(args.prompts_per_rank), "--group-size", str(args.group_size),
             "--train-batch-size", str(args.train_batch_size)]
 
 
