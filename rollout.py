@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -457,20 +457,24 @@ def export_lora(transformer, name: str, out_dir: str | Path) -> None:
     )
 
 
-def compile_blocks(transformer, dynamic: bool | None = True) -> None:
+def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = True) -> None:
     """Regional torch.compile: each transformer block is compiled, the embeddings and output layer stay eager.
 
     The blocks share their code, so a few graphs serve all 24 of SD3.5-M's: one per block kind (dual attention,
     plain, last), adapter setting (a named adapter or none: use_adapter keeps peft's active adapter name fixed) and
-    grad mode; the batch size is dynamic (`dynamic`, torch.compile's: None makes a dimension symbolic only once it
-    changes, benchmark/startup.py's "auto"). Compiling takes minutes, paid in the first iteration and the first
-    validation, unless a CompileCache holds them.
+    grad mode. `dynamic` is torch.compile's (True: every dimension of the blocks' inputs symbolic; None: a dimension
+    turns symbolic once it changes), or "batch": only the batch dimension symbolic, so that the token counts and
+    widths are constants in the generated kernels (benchmark/compile_speed.py compares them). Compiling takes
+    minutes, paid in the first iteration and the first validation, unless a CompileCache holds them.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in transformer.transformer_blocks:
-        block.compile(dynamic=dynamic)
+        block.compile(dynamic=None if dynamic == "batch" else dynamic)
     for layer in (transformer.pos_embed, transformer.context_embedder):  # they make the first block's inputs
         layer.register_forward_hook(_like_a_block_output)
+    if dynamic == "batch":
+        for layer in (transformer.pos_embed, transformer.context_embedder, transformer.time_text_embed):
+            layer.register_forward_hook(_batch_dynamic)
 
 
 def _like_a_block_output(module, args, output):
@@ -480,6 +484,15 @@ def _like_a_block_output(module, args, output):
     if output._base is not None:
         output = output.clone()
     return output.requires_grad_() if torch.is_grad_enabled() and not output.requires_grad else output
+
+
+def _batch_dynamic(module, args, output):
+    """Mark the batch dimension of a block input symbolic for the first graph of each kind, which every later batch
+    size and block then reuses (a batch of 1 gets its own). Contiguous already: the transformer makes the patch
+    embedding contiguous, which would otherwise return a new, unmarked tensor."""
+    output = output.contiguous()
+    torch._dynamo.maybe_mark_dynamic(output, 0)
+    return output
 
 
 def compile_decoder(vae) -> None:

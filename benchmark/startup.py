@@ -1,7 +1,7 @@
 """Benchmark crd.py's start-up on the GPU: the first validation and the first iterations, cold and warm.
 
     python benchmark/startup.py --out startup.json                              # main's compile, cold then warm
-    python benchmark/startup.py --variants main auto --starts cold --out a.json  # two ways of compiling, cold
+    python benchmark/startup.py --variants main batch --starts cold --out a.json  # two ways of compiling, cold
 
 Each start runs crd.py on SD3.5-M with random weights (one GPU, 512², 4 prompts x 6 images, the cheap brightness
 reward, so that only the transformer and the VAE decoder compile) for `--iterations` iterations, validating before
@@ -36,8 +36,8 @@ STARTS = ("cold", "warm-file", "warm-machine")
 
 
 # ways of compiling the blocks: rollout.compile_blocks's `dynamic` (auto: a dimension symbolic only once it changes;
-# the policy's grad pass, always 18 rows, stays static)
-VARIANTS = {"main": True, "auto": None}
+# the policy's grad pass, always 18 rows, stays static; batch: only the batch dimension symbolic)
+VARIANTS = {"main": True, "auto": None, "batch": "batch"}
 
 
 def child(variant: str, report: Path, trainer_args: list[str]) -> None:
