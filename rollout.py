@@ -488,8 +488,8 @@ def _like_a_block_output(module, args, output):
 
 def _batch_dynamic(module, args, output):
     """Mark the batch dimension of a block input symbolic for the first graph of each kind, which every later batch
-    size and block then reuses (a batch of 1 gets its own). Contiguous already: the transformer makes the patch
-    embedding contiguous, which would otherwise return a new, unmarked tensor."""
+    size and block then reuses (a batch of 1 gets its own). Made contiguous here because the transformer calls
+    .contiguous() on the patch embedding, which for a strided view returns a new tensor without the mark."""
     output = output.contiguous()
     torch._dynamo.maybe_mark_dynamic(output, 0)
     return output
