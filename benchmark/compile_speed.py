@@ -83,8 +83,8 @@ def main():
     cli = parser.parse_args()
     if cli.resolution <= 0 or cli.resolution % 16:
         parser.error(f"--resolution {cli.resolution}: must be a positive multiple of 16")
-    if cli.train_rows < 1 or cli.rollout_rows < 2:
-        parser.error("--train-rows must be at least 1 and --rollout-rows at least 2")
+    if cli.train_rows < 1 or cli.rollout_rows < 3:  # rollout_other's batch of one less would be 1: its own graph
+        parser.error("--train-rows must be at least 1 and --rollout-rows at least 3")
     sizes = (cli.resolution, cli.train_rows, cli.rollout_rows)
     if cli.child:
         print(json.dumps(child(cli.child, *sizes)))
