@@ -72,6 +72,25 @@ def child(variant: str, resolution: int, train_rows: int, rollout_rows: int) -> 
     return result
 
 
+def measure(variant: str, cli: argparse.Namespace, report: dict) -> None:
+    """One variant in a fresh process with empty caches; then the whole report is written again, atomically."""
+    with tempfile.TemporaryDirectory() as caches:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
+        cmd = [sys.executable, __file__, "--child", variant, "--resolution", str(cli.resolution),
+               "--train-rows", str(cli.train_rows), "--rollout-rows", str(cli.rollout_rows)]
+        started = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        report[variant] = {"returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
+    else:
+        measured = json.loads(done.stdout.splitlines()[-1])
+        report[variant] = {"process_s": round(time.perf_counter() - started, 1), **measured}
+    print(variant, json.dumps({k: v for k, v in report[variant].items() if k != "compile_s"}), flush=True)
+    partial = cli.out.with_name(cli.out.name + ".partial")
+    partial.write_text(json.dumps(report, indent=1))
+    partial.replace(cli.out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -89,23 +108,15 @@ def main():
     if cli.child:
         print(json.dumps(child(cli.child, *sizes)))
         return
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-              "resolution": cli.resolution, "train_rows": cli.train_rows, "rollout_rows": cli.rollout_rows}
-    for variant in cli.variants:
-        with tempfile.TemporaryDirectory() as caches:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
-            cmd = [sys.executable, __file__, "--child", variant, "--resolution", str(cli.resolution),
-                   "--train-rows", str(cli.train_rows), "--rollout-rows", str(cli.rollout_rows)]
-            started = time.perf_counter()
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-            if done.returncode:
-                report[variant] = {"returncode": done.returncode, "stderr_tail": done.stderr[-3000:]}
-            else:
-                report[variant] = {"process_s": round(time.perf_counter() - started, 1),
-                                   **json.loads(done.stdout.splitlines()[-1])}
-        print(variant, json.dumps({k: v for k, v in report[variant].items() if k != "compile_s"}), flush=True)
     cli.out.parent.mkdir(parents=True, exist_ok=True)
-    cli.out.write_text(json.dumps(report, indent=1))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = {"device": device, "torch": torch.__version__, "resolution": cli.resolution, "train_rows": cli.train_rows,
+              "rollout_rows": cli.rollout_rows}
+    try:
+        for variant in cli.variants:
+            measure(variant, cli, report)
+    except KeyboardInterrupt:
+        sys.exit(f"compile_speed.py: interrupted; {cli.out} holds the variants that finished")
 
 
 if __name__ == "__main__":
