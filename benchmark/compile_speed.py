@@ -4,6 +4,7 @@ a trainer, so that variants compare in seconds rather than in whole runs.
 
     python benchmark/compile_speed.py --out compile_speed.json                  # every variant, on the GPU if any
     python benchmark/compile_speed.py --resolution 256 --train-rows 4 --rollout-rows 4 --out cpu.json   # a CPU look
+    python benchmark/compile_speed.py --passes rollout cfg --steady-rows 16 24 48   # no-grad kernels' speed, compiled
 
 Each variant runs in a process of its own with new, empty inductor and Triton caches, on one block of each kind (dual
 attention, plain, last) at SD3.5-M's width with random weights and the trainers' LoRA adapters (CUDA: bf16 under
@@ -14,11 +15,14 @@ autocast, as the trainers; CPU: float32), in the order a first iteration meets t
     policy    forward and backward of the policy adapter, --train-rows rows
     policy_again, rollout_other   the policy pass again (the steady state) and the rollout pass at one row less
 For each: seconds and the graphs compiled so far; and torch.compile's own seconds per phase (torch._dynamo.utils).
+--passes picks some of them; --steady-rows then times the compiled sampling pass at those batch sizes (median of 20,
+after one call that tunes the kernels for that size), so that the variants' kernels compare in the steady state too.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +40,11 @@ from benchmark.startup import VARIANTS  # noqa: E402
 TEXT_TOKENS = 77 + 256  # CLIP's and T5's, as the trainers encode prompts
 
 
-def child(variant: str, resolution: int, train_rows: int, rollout_rows: int) -> dict:
+PASSES = ("rollout", "cfg", "base", "policy", "policy_again", "rollout_other")
+
+
+def child(variant: str, resolution: int, train_rows: int, rollout_rows: int, names: list[str],
+          steady_rows: list[int]) -> dict:
     from diffusers import SD3Transformer2DModel
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -54,6 +62,8 @@ def child(variant: str, resolution: int, train_rows: int, rollout_rows: int) -> 
         latents = torch.randn(rows, 16, side, side, device=device, dtype=dtype)  # (B, C, h, w)
         embeds = torch.randn(rows, TEXT_TOKENS, 4096, device=device, dtype=dtype)
         pooled = torch.randn(rows, 2048, device=device, dtype=dtype)
+        if cuda:
+            torch.cuda.synchronize()
         started = time.perf_counter()
         with rollout.use_adapter(transformer, adapter), torch.set_grad_enabled(grad), autocast:
             velocity = rollout.predict_velocity(transformer, latents, 700.0, embeds, pooled)
@@ -61,12 +71,22 @@ def child(variant: str, resolution: int, train_rows: int, rollout_rows: int) -> 
                 velocity.float().square().mean().backward()
         if cuda:
             torch.cuda.synchronize()
-        return {"s": round(time.perf_counter() - started, 2), "graphs": counters["stats"]["unique_graphs"]}
+        return {"s": time.perf_counter() - started, "graphs": counters["stats"]["unique_graphs"]}
 
     passes = {"rollout": ("sampling", rollout_rows, False), "cfg": ("sampling", 2 * rollout_rows, False),
               "base": (None, rollout_rows, False), "policy": ("policy", train_rows, True),
               "policy_again": ("policy", train_rows, True), "rollout_other": ("sampling", rollout_rows - 1, False)}
-    result = {name: run(*how) for name, how in passes.items()}
+    result = {}
+    for name in names:
+        measured = run(*passes[name])
+        result[name] = {**measured, "s": round(measured["s"], 2)}
+    if steady_rows:
+        result["steady_ms"] = {}
+        for rows in steady_rows:
+            run("sampling", rows, False)
+            seconds = statistics.median(run("sampling", rows, False)["s"] for _ in range(20))
+            result["steady_ms"][rows] = round(1000 * seconds, 3)
+        result["graphs_after_steady"] = counters["stats"]["unique_graphs"]
     result["compile_s"] = {phase: round(sum(seconds), 2) for phase, seconds in compilation_time_metrics.items()
                            if sum(seconds) >= 0.5}
     return result
@@ -77,7 +97,8 @@ def measure(variant: str, cli: argparse.Namespace, report: dict) -> None:
     with tempfile.TemporaryDirectory() as caches:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
         cmd = [sys.executable, __file__, "--child", variant, "--resolution", str(cli.resolution),
-               "--train-rows", str(cli.train_rows), "--rollout-rows", str(cli.rollout_rows)]
+               "--train-rows", str(cli.train_rows), "--rollout-rows", str(cli.rollout_rows),
+               "--passes", *cli.passes, "--steady-rows", *map(str, cli.steady_rows)]
         started = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
@@ -97,6 +118,9 @@ def main():
     parser.add_argument("--resolution", type=int, default=512, help="image side in pixels (multiple of 16)")
     parser.add_argument("--train-rows", type=int, default=18, help="rows of the policy pass (the trainers': 6 x 3)")
     parser.add_argument("--rollout-rows", type=int, default=24, help="rows of a no-grad pass (the recipe's rollout)")
+    parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES, help="in this order")
+    parser.add_argument("--steady-rows", nargs="*", type=int, default=[],
+                        help="batch sizes at which to time the compiled sampling pass afterwards")
     parser.add_argument("--out", type=Path, default=Path("compile_speed.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     cli = parser.parse_args()
@@ -104,14 +128,16 @@ def main():
         parser.error(f"--resolution {cli.resolution}: must be a positive multiple of 16")
     if cli.train_rows < 1 or cli.rollout_rows < 3:  # rollout_other's batch of one less would be 1: its own graph
         parser.error("--train-rows must be at least 1 and --rollout-rows at least 3")
-    sizes = (cli.resolution, cli.train_rows, cli.rollout_rows)
+    if any(rows < 2 for rows in cli.steady_rows):  # a batch of 1 is a graph of its own
+        parser.error(f"--steady-rows {' '.join(map(str, cli.steady_rows))}: each must be at least 2")
+    sizes = (cli.resolution, cli.train_rows, cli.rollout_rows, cli.passes, cli.steady_rows)
     if cli.child:
         print(json.dumps(child(cli.child, *sizes)))
         return
     cli.out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = {"device": device, "torch": torch.__version__, "resolution": cli.resolution, "train_rows": cli.train_rows,
-              "rollout_rows": cli.rollout_rows}
+              "rollout_rows": cli.rollout_rows, "passes": cli.passes, "steady_rows": cli.steady_rows}
     try:
         for variant in cli.variants:
             measure(variant, cli, report)
