@@ -457,15 +457,18 @@ def export_lora(transformer, name: str, out_dir: str | Path) -> None:
     )
 
 
-def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = True) -> None:
+def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch") -> None:
     """Regional torch.compile: each transformer block is compiled, the embeddings and output layer stay eager.
 
     The blocks share their code, so a few graphs serve all 24 of SD3.5-M's: one per block kind (dual attention,
     plain, last), adapter setting (a named adapter or none: use_adapter keeps peft's active adapter name fixed) and
-    grad mode. `dynamic` is torch.compile's (True: every dimension of the blocks' inputs symbolic; None: a dimension
-    turns symbolic once it changes), or "batch": only the batch dimension symbolic, so that the token counts and
-    widths are constants in the generated kernels (benchmark/compile_speed.py compares them). Compiling takes
-    minutes, paid in the first iteration and the first validation, unless a CompileCache holds them.
+    grad mode. `dynamic="batch"` makes only the batch dimension symbolic, so that every batch size (rollout, CFG,
+    training chunks) shares its kind's graph while the token counts and widths stay constants in the generated
+    kernels: on an H200 the first iteration compiles in half the time of torch.compile's dynamic=True (every
+    dimension symbolic), whose code generation reasons about symbolic sizes, and the kernels are as fast or faster
+    (benchmark/RESULTS.md, "Start-up"). True and None (a dimension turns symbolic once it changes) are torch.compile's
+    own, kept for benchmark/compile_speed.py's comparisons. Compiling takes a minute or two, paid in the first
+    validation and the first iteration, unless a CompileCache holds it.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in transformer.transformer_blocks:

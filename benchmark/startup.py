@@ -1,7 +1,7 @@
 """Benchmark crd.py's start-up on the GPU: the first validation and the first iterations, cold and warm.
 
-    python benchmark/startup.py --out startup.json                              # main's compile, cold then warm
-    python benchmark/startup.py --variants main batch --starts cold --out a.json  # two ways of compiling, cold
+    python benchmark/startup.py --out startup.json                                   # the trainers' compile, cold, warm
+    python benchmark/startup.py --variants batch dynamic --starts cold --out a.json  # two ways of compiling, cold
 
 Each start runs crd.py on SD3.5-M with random weights (one GPU, 512², 4 prompts x 6 images, the cheap brightness
 reward, so that only the transformer and the VAE decoder compile) for `--iterations` iterations, validating before
@@ -10,7 +10,7 @@ training and after the last, in a process of its own with its own caches:
     warm-file      new inductor and Triton directories, and the cold start's CRD_CACHE, so only its compile-cache file
                    (rollout.CompileCache) carries over: a resume on another machine
     warm-machine   every cache of the cold start kept: a second run or a resume on the same machine
-A variant is a way of compiling the blocks (VARIANTS): `main` is rollout.compile_blocks as it is. The child process
+A variant is a way of compiling the blocks (VARIANTS): `batch` is the trainers'. The child process
 reports torch.compile's own account at exit: the graphs compiled and the seconds of each (torch._dynamo.utils).
 """
 
@@ -35,9 +35,10 @@ TRAINER = ["--model", "random-sd3.5-medium", "--reward", "brightness", "--eval-j
 STARTS = ("cold", "warm-file", "warm-machine")
 
 
-# ways of compiling the blocks: rollout.compile_blocks's `dynamic` (auto: a dimension symbolic only once it changes;
-# the policy's grad pass, always 18 rows, stays static; batch: only the batch dimension symbolic)
-VARIANTS = {"main": True, "auto": None, "batch": "batch"}
+# ways of compiling the blocks: rollout.compile_blocks's `dynamic` (batch: only the batch dimension symbolic, the
+# trainers' default; dynamic: every dimension symbolic, their default before batch; auto: a dimension symbolic
+# only once it changes, so the policy's grad pass, always 18 rows, stays static)
+VARIANTS = {"batch": "batch", "dynamic": True, "auto": None}
 
 
 def child(variant: str, report: Path, trainer_args: list[str]) -> None:
@@ -106,7 +107,7 @@ def run_start(variant, start, caches, workdir, log_dir, iterations, time_limit_s
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["main"], choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["batch"], choices=list(VARIANTS))
     parser.add_argument("--starts", nargs="+", default=list(STARTS), choices=STARTS,
                         help="warm starts reuse the caches of the cold start before them")
     parser.add_argument("--iterations", type=int, default=2, help="the last is the steady state")

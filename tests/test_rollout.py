@@ -308,15 +308,14 @@ def test_gradients_reach_only_the_policy(lora_pipe):
     assert all(p.grad is None for n, p in transformer.named_parameters() if ".policy." not in n)
 
 
-@pytest.mark.parametrize("dynamic", [True, "batch"])
-def test_compiled_blocks_match_eager_with_one_graph_per_block_kind_and_grad_mode(dynamic):
+def test_compiled_blocks_match_eager_with_one_graph_per_block_kind_and_grad_mode():
     """compile_blocks: the same velocities under every adapter, the base model and any batch size, the same policy
     gradient, also with gradient checkpointing (which recomputes the compiled blocks in the backward). SD3.5-M's blocks
     come in three kinds (dual attention, plain, last; here dual, dual, last): the adapters' no-grad passes (any batch
     size) share one graph per kind, the base model's get one more per kind, the policy's grad-mode pass one more per
     kind, the first block included, although its inputs come from eager layers (a view; no grad). use_adapter keeps
-    what peft's layers branch and dynamo guards on fixed. With dynamic="batch" (only the batch dimension symbolic),
-    the same graphs serve both batch sizes."""
+    what peft's layers branch and dynamo guards on fixed. Only the batch dimension is symbolic (the default,
+    dynamic="batch"), and the same graphs serve both batch sizes."""
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(0)
@@ -346,7 +345,7 @@ def test_compiled_blocks_match_eager_with_one_graph_per_block_kind_and_grad_mode
 
     eager = outputs()
     with compiling():
-        rollout.compile_blocks(transformer, dynamic=dynamic)
+        rollout.compile_blocks(transformer)
         start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         compiled = outputs()
         assert (graphs[-2] - start, graphs[-1] - start) == (4, 6)  # (adapters, base) x (dual, last); grad: dual, last
