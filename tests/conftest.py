@@ -1,8 +1,17 @@
 """Shared fixtures: one tiny random SD3 (see rollout.TINY), built once per test session into a temporary directory."""
 
+import os
+
 import pytest
+import torch
 
 import rollout
+
+# The suite runs on two workers (pytest.ini: -n 2), as many as CI's cores: each worker, and every trainer it starts,
+# gets one torch thread, because two processes of two spinning OpenMP threads each on two cores slow each other
+# several-fold.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
