@@ -465,7 +465,7 @@ def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch
     grad mode. `dynamic="batch"` makes only the batch dimension symbolic, so that every batch size (rollout, CFG,
     training chunks) shares its kind's graph while the token counts and widths stay constants in the generated
     kernels: on an H200 the first iteration compiles in half the time of torch.compile's dynamic=True (every
-    dimension symbolic), whose code generation reasons about symbolic sizes, and the kernels are as fast or faster
+    dimension symbolic; inductor's code generation alone took 6x as long), and the kernels are as fast or faster
     (benchmark/RESULTS.md, "Start-up"). True and None (a dimension turns symbolic once it changes) are torch.compile's
     own, kept for benchmark/compile_speed.py's comparisons. Compiling takes a minute or two, paid in the first
     validation and the first iteration, unless a CompileCache holds it.
