@@ -100,7 +100,7 @@ def _t5_tokenizer(vocab_size: int | None) -> T5Tokenizer:
 def _build_components(config: dict, text_encoder_device: str | torch.device | None = None) -> dict:
     """StableDiffusion3Pipeline's components with random weights, created on the default device and dtype (the text
     encoders on `text_encoder_device` if given)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tok_l, tok_g = _clip_tokenizer(config["clip_l"]["vocab_size"]), _clip_tokenizer(config["clip_g"]["vocab_size"])
@@ -111,15 +111,26 @@ def _build_components(config: dict, text_encoder_device: str | torch.device | No
         return CLIPTextModelWithProjection(CLIPTextConfig(**{**cfg, "vocab_size": len(tok)}, **ids))
 
     t5 = T5Config(**{**config["t5"], "vocab_size": len(tok_t5)}, feed_forward_proj="gated-gelu")
-    vae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                        latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
-                        scaling_factor=1.5305, shift_factor=0.0609, **config["vae"])
-    transformer = SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16, **config["transformer"])
+    vae, transformer = _vae(config), _transformer(config)  # in this order: the tiny model's weights depend on it
     with torch.device(text_encoder_device) if text_encoder_device else nullcontext():
         encoders = dict(text_encoder=clip(config["clip_l"], tok_l), text_encoder_2=clip(config["clip_g"], tok_g),
                         text_encoder_3=T5EncoderModel(t5))
     return dict(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), **encoders,
                 tokenizer=tok_l, tokenizer_2=tok_g, tokenizer_3=tok_t5)
+
+
+def _transformer(config: dict):
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16, **config["transformer"])
+
+
+def _vae(config: dict):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
+                         scaling_factor=1.5305, shift_factor=0.0609, **config["vae"])
 
 
 def cache_root() -> Path:
@@ -516,6 +527,7 @@ class CompileCache:
         name = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{torch.__version__}-{gpu}-{Path(model).name}")
         self.path = cache_root() / "compile" / f"{name}.bin"
         self.enabled, self.saved = enabled, False
+        self.cold = enabled  # nothing loaded: every graph compiles in this start
         if enabled and self.path.is_file():  # a damaged or foreign file costs a cold start, not the run
             torch_log = logging.getLogger("torch.compiler._cache")  # it would log the unpickling traceback
             level, reason = torch_log.level, "not a torch.compile cache of this torch version"
@@ -528,6 +540,7 @@ class CompileCache:
                 torch_log.setLevel(level)
             if loaded is None:
                 print(f"compile cache {self.path} not loaded ({reason}); compiling from scratch", flush=True)
+            self.cold = loaded is None
 
     def save(self) -> None:
         """Write the artifacts of this process's compiles (those loaded included) once, atomically."""

@@ -363,10 +363,12 @@ def test_compile_cache_carries_compiled_kernels_to_a_fresh_process(tmp_path, mon
     gelu = "torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)(torch.ones(8, 8))"
     try:
         cache = rollout.CompileCache("tiny", torch.device("cpu"), enabled=True)
+        assert cache.cold  # nothing to load: precompile's workers would compile
         eval(gelu)
         cache.save()
     finally:
         torch._dynamo.reset()
+    assert not rollout.CompileCache("tiny", torch.device("cpu"), enabled=True).cold
     script = (f"import torch, rollout\ncache = rollout.CompileCache('tiny', torch.device('cpu'), enabled=True)\n{gelu}\n"
               "counts = torch._dynamo.utils.counters['inductor']\n"
               "print('graphs found, compiled:', counts['fxgraph_cache_hit'], counts['fxgraph_cache_miss'])\n")
@@ -376,7 +378,7 @@ def test_compile_cache_carries_compiled_kernels_to_a_fresh_process(tmp_path, mon
 
     cache.path.write_bytes(b"not a cache")
     capsys.readouterr()
-    rollout.CompileCache("tiny", torch.device("cpu"), enabled=True)
+    assert rollout.CompileCache("tiny", torch.device("cpu"), enabled=True).cold
     damaged = capsys.readouterr()
     assert damaged.out.splitlines() == [f"compile cache {cache.path} not loaded (not a torch.compile cache of this "
                                         "torch version); compiling from scratch"]
