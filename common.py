@@ -3,6 +3,7 @@ and the agreed stop, the run's exit status, and validation (no loss, advantage, 
 
     check_shared_args(args, check_algorithm_args, train_timestep_grid)  # each bad flag: one line and exit status 1
     device = actor_device(args.device, world_size)                        # joins the process group of several ranks
+    precompile = start_precompile(args, compile_cache, device, world_size)  # a cold start compiles in workers
     state["eval"].append(validate(pipe, eval_set, args, ..., iteration))  # sample, score and log the held-out prompts
 """
 
@@ -18,8 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from precompile import Precompile
 from reward import SCORERS
-from rollout import captioned_grid, encode_prompts, sample, use_adapter
+from rollout import captioned_grid, encode_prompts, images_per_call, sample, use_adapter
 
 
 # ---- argument checks -------------------------------------------------------------------------------------------------
@@ -167,6 +169,27 @@ def leave_process_group():
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+# ---- compiling -------------------------------------------------------------------------------------------------------
+
+
+def start_precompile(args, compile_cache, device, world_size):
+    """A cold start of one rank compiles in worker processes (precompile.py) while the models load and the first
+    validation runs eagerly: the first compiled call of each graph family as the first iteration makes it. Several
+    ranks, or a compile cache to load: no workers."""
+    if not compile_cache.cold or world_size > 1:
+        return Precompile([])
+    B, T, b, most = args.prompts_per_rank * args.group_size, args.num_train_timesteps, args.train_batch_size, \
+        args.forward_batch_size
+    rollout_images = images_per_call(B, most)
+    base_rows = images_per_call(B * T, most, args.kl_cfg) * (2 if args.kl_cfg > 1 else 1)  # CFG: two rows an image
+    passes = [{"adapter": "sampling", "grad": False, "rows": rollout_images},
+              {"adapter": None, "grad": False, "rows": base_rows},
+              {"adapter": "policy", "grad": True, "rows": min(b * args.policy_timesteps_per_forward, T * b)},
+              {"decode": min(rollout_images, 8)}]  # decode_latents' chunks
+    return Precompile(passes, args.model, device, torch.bfloat16, (args.lora_rank, args.lora_alpha),
+                      args.gradient_checkpointing, args.resolution, 77 + args.max_sequence_length)
 
 
 # ---- scoring and validation ------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from checkpoint import (GracefulStop, RunError, actor_peak_memory, other_gpus_memory, prepare_run, prompt_files_sha256,
                         save_last_iteration, start_state, write_summary)
 from common import (actor_device, agreed_stop, all_mean_, check_numbers, check_shared_args, fail, gather,
-                    leave_process_group, run_exit_code, timed, validate)
+                    leave_process_group, run_exit_code, start_precompile, timed, validate)
 from data import DataError, GroupSampler, load_train_and_eval_prompts
 from reward import GuardedScorer, check_reward_model, make_scorer
 from rollout import (CompileCache, add_lora_adapters, check_model_path, compile_blocks, compile_decoder, ema_update_,
@@ -289,6 +289,8 @@ if __name__ == "__main__":
         if args.dry_run:  # how run.sh checks a run before it starts a reward server
             print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval prompts")
             sys.exit(0)
+        compile_cache = CompileCache(args.model, device, enabled=args.compile and device.type == "cuda")
+        precompile = start_precompile(args, compile_cache, device, world_size)  # workers, beside model loading
         # the scorer before the pipeline: a reward server is checked before minutes of model loading
         scorer = GuardedScorer(make_scorer(args.reward, device=args.reward_device or str(device), urls=args.reward_urls,
                                            model_path=args.reward_model, batch_size=B, timeout=args.reward_timeout,
@@ -308,7 +310,6 @@ if __name__ == "__main__":
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    compile_cache = CompileCache(args.model, device, enabled=args.compile and device.type == "cuda")
     if compile_cache.enabled:
         compile_blocks(transformer)
         compile_decoder(pipe.vae)
@@ -333,7 +334,10 @@ if __name__ == "__main__":
         warn_cut_targets(train_set + eval_set, pipe, args.max_sequence_length)
 
     if main_process and args.eval_every and not state["eval"]:
-        state["eval"].append(validate(pipe, eval_set, args, scorer, judge, scoring, judging, negative, autocast, writer, 0))
+        with precompile.eager():  # while the workers compile
+            state["eval"].append(validate(pipe, eval_set, args, scorer, judge, scoring, judging, negative, autocast,
+                                          writer, 0))
+    precompile.wait()
     nonfinite_streak, stop_signal, stopped_by = 0, 0, None
     iterations = tqdm(range(state["iteration"], args.num_iterations), initial=state["iteration"],
                       total=args.num_iterations, disable=not main_process, desc="iterations")

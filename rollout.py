@@ -479,7 +479,7 @@ def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch
     dimension symbolic; inductor's code generation alone took 6x as long), and the kernels are as fast or faster
     (benchmark/RESULTS.md, "Start-up"). True and None (a dimension turns symbolic once it changes) are torch.compile's
     own, kept for benchmark/compile_speed.py's comparisons. Compiling takes a minute or two, paid in the first
-    validation and the first iteration, unless a CompileCache holds it.
+    validation and the first iteration, unless a CompileCache holds it or precompile.py's workers compiled it.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in transformer.transformer_blocks:
