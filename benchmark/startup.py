@@ -1,7 +1,7 @@
 """Benchmark crd.py's start-up on the GPU: the first validation and the first iterations, cold and warm.
 
     python benchmark/startup.py --out startup.json                                   # the trainers' compile, cold, warm
-    python benchmark/startup.py --variants batch dynamic --starts cold --out a.json  # two ways of compiling, cold
+    python benchmark/startup.py --variants batch batch-one-process --starts cold --out a.json  # workers or not, cold
 
 Each start runs crd.py on SD3.5-M with random weights (one GPU, 512², 4 prompts x 6 images, the cheap brightness
 reward, so that only the transformer and the VAE decoder compile) for `--iterations` iterations, validating before
@@ -10,8 +10,12 @@ training and after the last, in a process of its own with its own caches:
     warm-file      new inductor and Triton directories, and the cold start's CRD_CACHE, so only its compile-cache file
                    (rollout.CompileCache) carries over: a resume on another machine
     warm-machine   every cache of the cold start kept: a second run or a resume on the same machine
-A variant is a way of compiling the blocks (VARIANTS): `batch` is the trainers'. The child process
-reports torch.compile's own account at exit: the graphs compiled and the seconds of each (torch._dynamo.utils).
+A variant is a way of compiling the blocks (VARIANTS): `batch` is the trainers', whose cold start compiles in worker
+processes (precompile.py) while the models load and the first validation runs eagerly; with "-one-process" appended
+(`batch-one-process`; the only form of the others) a cold start compiles in the trainer alone, as before. The child
+process reports torch.compile's own account at exit: the graphs compiled, the seconds of each and the cache hits
+(torch._dynamo.utils). Besides each phase's own time (TensorBoard's perf/ scalars), the report gives when it ended,
+counted from the launch (*_done_s): waiting for the workers falls between the first validation and the first iteration.
 """
 
 import argparse
@@ -39,15 +43,21 @@ STARTS = ("cold", "warm-file", "warm-machine")
 # trainers' default; dynamic: every dimension symbolic, their default before batch; auto: a dimension symbolic
 # only once it changes, so the policy's grad pass, always 18 rows, stays static)
 VARIANTS = {"batch": "batch", "dynamic": True, "auto": None}
+ONE_PROCESS = "-one-process"  # a variant's name with it: a cold start compiles in the trainer alone, without workers
 
 
 def child(variant: str, report: Path, trainer_args: list[str]) -> None:
-    """Run crd.py in this process with `variant`'s compile_blocks; write torch.compile's account at exit."""
+    """Run crd.py in this process with `variant`'s compiling; write torch.compile's account at exit."""
     sys.path.insert(0, str(ROOT))
+    import common
+    import precompile
     import rollout
 
-    # crd.py imports it by name when it runs below
-    rollout.compile_blocks = functools.partial(rollout.compile_blocks, dynamic=VARIANTS[variant])
+    # crd.py imports them by name when it runs below
+    dynamic = VARIANTS[variant.removesuffix(ONE_PROCESS)]
+    rollout.compile_blocks = functools.partial(rollout.compile_blocks, dynamic=dynamic)
+    if variant.endswith(ONE_PROCESS):
+        common.start_precompile = lambda *args: precompile.Precompile([])
     started = time.perf_counter()
 
     @atexit.register
@@ -57,6 +67,7 @@ def child(variant: str, report: Path, trainer_args: list[str]) -> None:
         per_graph = {phase: list(seconds) for phase, seconds in compilation_time_metrics.items()}  # one entry a graph
         report.write_text(json.dumps({"process_s": time.perf_counter() - started,
                                       "unique_graphs": counters["stats"]["unique_graphs"],
+                                      "cache": {**counters["aot_autograd"], **counters["inductor"]},
                                       "graph_compile_s": per_graph.get("_compile.compile_inner", []),
                                       "compile_s": per_graph}, indent=1))
 
@@ -72,7 +83,7 @@ def run_start(variant, start, caches, workdir, log_dir, iterations, time_limit_s
     cmd = [sys.executable, __file__, "--child", variant, str(report), "--", *TRAINER, "--num-iterations",
            str(iterations), "--eval-every", str(iterations), "--output-dir", str(workdir), "--run-name", name]
     print(f"{name}: {' '.join(cmd[1:])} (log: {log_dir / f'{name}.log'})", flush=True)
-    started = time.perf_counter()
+    started, launched = time.perf_counter(), time.time()
     with open(log_dir / f"{name}.log", "w") as log:
         trainer = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         stopped = False
@@ -92,10 +103,13 @@ def run_start(variant, start, caches, workdir, log_dir, iterations, time_limit_s
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         events = EventAccumulator(str(workdir / name), size_guidance={"scalars": 0}).Reload()
-        perf = {tag: {s.step: round(s.value, 2) for s in events.Scalars(tag)}
-                for tag in ("perf/eval_s", "perf/rollout_s", "perf/train_s", "perf/iteration_s")
-                if tag in events.Tags()["scalars"]}
+        tags = [t for t in ("perf/eval_s", "perf/rollout_s", "perf/train_s", "perf/iteration_s")
+                if t in events.Tags()["scalars"]]
+        perf = {tag: {s.step: round(s.value, 2) for s in events.Scalars(tag)} for tag in tags}
+        done = {tag: {s.step: round(s.wall_time - launched, 1) for s in events.Scalars(tag)} for tag in tags}
         result["perf"] = perf
+        result["first_validation_done_s"] = done.get("perf/eval_s", {}).get(0)
+        result["first_iteration_done_s"] = done.get("perf/iteration_s", {}).get(1)
         result["first_validation_s"] = perf.get("perf/eval_s", {}).get(0)
         result["first_iteration_s"] = perf.get("perf/iteration_s", {}).get(1)
         result["steady_iteration_s"] = perf.get("perf/iteration_s", {}).get(iterations)
@@ -107,7 +121,8 @@ def run_start(variant, start, caches, workdir, log_dir, iterations, time_limit_s
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["batch"], choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["batch"],
+                        choices=["batch", *(f"{variant}{ONE_PROCESS}" for variant in VARIANTS)])
     parser.add_argument("--starts", nargs="+", default=list(STARTS), choices=STARTS,
                         help="warm starts reuse the caches of the cold start before them")
     parser.add_argument("--iterations", type=int, default=2, help="the last is the steady state")
@@ -133,12 +148,16 @@ def main():
                 print(f"{variant}_{start}", json.dumps({k: v for k, v in result.items() if k != "compile_s"}), flush=True)
                 cli.out.write_text(json.dumps(report, indent=1))  # after each start: a call cut short keeps its numbers
             shutil.rmtree(workdir / variant, ignore_errors=True)
-    print(f"{'start':24} {'1st validation':>14} {'1st iteration':>13} {'steady':>7} {'graphs':>6} {'compile s':>9}")
+    nan = float("nan")
+    print(f"{'start':24} {'1st validation':>14} {'ended':>6} {'1st iteration':>13} {'ended':>6} {'steady':>7} "
+          f"{'graphs':>6} {'compile s':>9} {'cache hits':>10}")
     for name, r in report.items():
         if isinstance(r, dict):
-            print(f"{name:24} {r.get('first_validation_s') or float('nan'):14.1f} "
-                  f"{r.get('first_iteration_s') or float('nan'):13.1f} {r.get('steady_iteration_s') or float('nan'):7.2f} "
-                  f"{r.get('unique_graphs', 0):6d} {sum(r.get('graph_compile_s', [])):9.1f}")
+            print(f"{name:24} {r.get('first_validation_s') or nan:14.1f} "
+                  f"{r.get('first_validation_done_s') or nan:6.1f} "
+                  f"{r.get('first_iteration_s') or nan:13.1f} {r.get('first_iteration_done_s') or nan:6.1f} "
+                  f"{r.get('steady_iteration_s') or nan:7.2f} {r.get('unique_graphs', 0):6d} "
+                  f"{sum(r.get('graph_compile_s', [])):9.1f} {r.get('cache', {}).get('autograd_cache_hit', 0):10d}")
 
 
 if __name__ == "__main__":
