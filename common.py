@@ -1,5 +1,6 @@
 """What crd.py and dgpo.py share outside their algorithms: the argument checks, the process group with its collectives
-and the agreed stop, the run's exit status, and validation (no loss, advantage, EMA schedule or optimizer lives here).
+and the agreed stop, the run's exit status, the compile workers of a cold start, and validation (no loss, advantage,
+EMA schedule or optimizer lives here).
 
     check_shared_args(args, check_algorithm_args, train_timestep_grid)  # each bad flag: one line and exit status 1
     device = actor_device(args.device, world_size)                        # joins the process group of several ranks
