@@ -1,5 +1,5 @@
 """precompile.py: worker processes compile the trainer's graphs into torch.compile's on-disk caches, where the trainer's
-own compile then finds them; a failed worker is named, and a killed trainer leaves no worker behind."""
+own compile then finds them; a failed worker is named; a Ctrl-C is the trainer's; a killed trainer leaves no worker."""
 
 import json
 import os
@@ -80,7 +80,7 @@ print(json.dumps({{**counters["aot_autograd"], **counters["inductor"]}}))
     assert counts.get("fxgraph_cache_hit") == 4 and "fxgraph_cache_miss" not in counts, counts  # forward, backward
 
 
-def test_a_failed_worker_is_named_in_one_line_and_costs_only_its_graphs(tiny_model_dir, tmp_path, capsys):
+def test_a_failed_worker_is_named_in_one_line(tiny_model_dir, tmp_path, capsys):
     """A worker that fails exits 1, and wait() names its pass and the reason in one line: peft refuses LoRA rank 0;
     a directory without a model has no config to read."""
     sampling, decode = {"adapter": "sampling", "grad": False, "rows": 2}, {"decode": 2}
@@ -98,7 +98,7 @@ def test_a_failed_worker_is_named_in_one_line_and_costs_only_its_graphs(tiny_mod
     assert re.fullmatch(r"compile workers done after \d+ s \(decoder \d+ s\)", lines[2])
 
 
-def test_a_trainer_killed_outright_leaves_no_worker_compiling(tmp_path, tiny_model_dir):
+def test_workers_miss_the_terminals_ctrl_c_and_end_with_a_killed_trainer(tmp_path, tiny_model_dir):
     """A Ctrl-C (SIGINT to the terminal's process group) is the trainer's to handle, and it finishes its iteration,
     which needs the graphs: the workers, in a session of their own, do not get it. SIGKILL gives the trainer no chance
     to stop its workers: each sees that its parent is gone and exits."""
