@@ -178,8 +178,9 @@ def leave_process_group():
 def start_precompile(args, compile_cache, device, world_size):
     """A cold start of one rank compiles in worker processes (precompile.py) while the models load and the first
     validation runs eagerly: the first compiled call of each graph family as the first iteration makes it. Several
-    ranks, or a compile cache to load: no workers."""
-    if not compile_cache.cold or world_size > 1:
+    ranks, a compile cache to load, or no validation to hide them behind (the first iteration would wait longer for
+    the workers than it takes to compile alone): no workers."""
+    if not compile_cache.cold or world_size > 1 or not args.eval_every:
         return Precompile([])
     B, T, b, most = args.prompts_per_rank * args.group_size, args.num_train_timesteps, args.train_batch_size, \
         args.forward_batch_size

@@ -39,6 +39,20 @@ def test_the_smallest_transformer_has_every_block_kind_of_the_model(model):
     assert kinds_of_blocks(no_dual) == [(False, False), (False, True)]
 
 
+def test_only_a_cold_start_of_one_rank_that_validates_first_starts_workers(tmp_path, monkeypatch):
+    """Workers pay off only behind model loading and the first validation of a start that compiles everything."""
+    import common
+    import crd
+
+    monkeypatch.setenv("CRD_CACHE", str(tmp_path))
+    cold = rollout.CompileCache("tiny", torch.device("cpu"), enabled=True)  # no file to load
+    off = rollout.CompileCache("tiny", torch.device("cpu"), enabled=False)  # --no-compile, or the CPU
+    assert cold.cold and not off.cold
+    for args, cache, world_size in [(crd.Args(eval_every=0), cold, 1), (crd.Args(), cold, 2), (crd.Args(), off, 1)]:
+        workers = common.start_precompile(args, cache, "cpu", world_size)
+        assert workers.passes == [] and workers.workers == []
+
+
 def test_workers_compile_the_graphs_that_the_trainer_then_finds_in_the_caches(tmp_path, monkeypatch):
     """A worker makes the policy's grad pass on the smallest model of a 3-block tiny SD3 (two dual-attention blocks,
     the last) into an empty inductor cache; while it runs, eager() keeps compiled code from compiling. A fresh process
