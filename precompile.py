@@ -58,7 +58,7 @@ def model_configs(model: str) -> tuple[dict, dict]:
     if model in (rollout.TINY, rollout.RANDOM_MEDIUM):
         config = rollout.TINY_CONFIG if model == rollout.TINY else rollout.MEDIUM_CONFIG
         with torch.device("meta"):
-            return dict(rollout._transformer(config).config), dict(rollout._vae(config).config)
+            return dict(rollout.random_transformer(config).config), dict(rollout.random_vae(config).config)
     path = os.path.expanduser(model)
     return (dict(SD3Transformer2DModel.load_config(path, subfolder="transformer")),
             dict(AutoencoderKL.load_config(path, subfolder="vae")))

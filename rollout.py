@@ -111,7 +111,7 @@ def _build_components(config: dict, text_encoder_device: str | torch.device | No
         return CLIPTextModelWithProjection(CLIPTextConfig(**{**cfg, "vocab_size": len(tok)}, **ids))
 
     t5 = T5Config(**{**config["t5"], "vocab_size": len(tok_t5)}, feed_forward_proj="gated-gelu")
-    vae, transformer = _vae(config), _transformer(config)  # in this order: the tiny model's weights depend on it
+    vae, transformer = random_vae(config), random_transformer(config)  # this order fixes the tiny model's weights
     with torch.device(text_encoder_device) if text_encoder_device else nullcontext():
         encoders = dict(text_encoder=clip(config["clip_l"], tok_l), text_encoder_2=clip(config["clip_g"], tok_g),
                         text_encoder_3=T5EncoderModel(t5))
@@ -119,13 +119,15 @@ def _build_components(config: dict, text_encoder_device: str | torch.device | No
                 tokenizer=tok_l, tokenizer_2=tok_g, tokenizer_3=tok_t5)
 
 
-def _transformer(config: dict):
+def random_transformer(config: dict):
+    """The SD3 transformer of a config of this module's (TINY_CONFIG, MEDIUM_CONFIG), random weights."""
     from diffusers import SD3Transformer2DModel
 
     return SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16, **config["transformer"])
 
 
-def _vae(config: dict):
+def random_vae(config: dict):
+    """The SD3 VAE of a config of this module's, random weights."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,

@@ -34,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import precompile  # noqa: E402
 import rollout  # noqa: E402
 from benchmark.startup import VARIANTS  # noqa: E402
 
@@ -51,8 +52,8 @@ def child(variant: str, resolution: int, train_rows: int, rollout_rows: int, nam
     cuda = torch.cuda.is_available()
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
-    config = {**rollout.MEDIUM_CONFIG["transformer"], "num_layers": 3, "dual_attention_layers": (0,)}
-    transformer = SD3Transformer2DModel(**config).to(device, dtype).eval()
+    config = precompile.smallest_config(precompile.model_configs(rollout.RANDOM_MEDIUM)[0])  # one block of each kind
+    transformer = SD3Transformer2DModel.from_config(config).to(device, dtype).eval()
     rollout.add_lora_adapters(transformer)
     rollout.compile_blocks(transformer, dynamic=VARIANTS[variant])
     autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
