@@ -1,5 +1,6 @@
 """data.py: conversion, bad input, loading, and the prompt-group sampler."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -233,3 +234,70 @@ def test_sampler_state_round_trip():
 def test_sampler_rejects_impossible_sizes():
     with pytest.raises(DataError, match="only 3 prompts"):
         GroupSampler(3, 2, 6, seed=0, world_size=2)
+
+
+MINE = '{"prompt": "A sign \\"Hi\\"", "target": "Hi", "id": 7, "split": "train", "weight": 0.5}\n'
+
+
+@pytest.mark.parametrize("output_dir", [".", "new/..", "link", "out"],
+                         ids=["its-folder", "dotdot-in-a-folder-to-be-made", "a-symlink-to-its-folder",
+                              "a-hard-link-of-it"])
+def test_an_output_that_is_an_input_is_refused_before_anything_is_written(tmp_path, output_dir):
+    """`--output-dir .` beside mine.jsonl replaced it, dropping its extra fields, with rc 0."""
+    mine = write(tmp_path / "mine.jsonl", MINE)
+    other = write(tmp_path / "other.txt", 'A sign "Other"\n')  # converted first, if at all
+    output_dir = tmp_path / output_dir
+    (tmp_path / "link").symlink_to(tmp_path, target_is_directory=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.jsonl").hardlink_to(mine)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    result = data_cli("--input", other, mine, "--output-dir", output_dir)
+    assert_one_line_error(result, f"data.py: error: {output_dir / 'mine.jsonl'} is the input {mine}")
+    assert "Traceback" not in result.stderr and mine.read_text() == MINE
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # not even other.jsonl
+
+
+def test_converting_json_lines_keeps_their_other_fields(tmp_path):
+    extracted = '{"id": "b", "prompt": "A sign \\"Hello\\"", "tags": ["x", {"y": 1}]}\n'
+    mine = write(tmp_path / "mine.jsonl", MINE + extracted)
+    result = data_cli("--input", mine, "--output-dir", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    lines = (tmp_path / "out" / "mine.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"prompt": 'A sign "Hi"', "target": "Hi", "id": 7, "split": "train", "weight": 0.5},
+        {"prompt": 'A sign "Hello"', "target": "Hello", "id": "b", "tags": ["x", {"y": 1}]}]
+    assert load_prompts(write(tmp_path / "p.txt", 'A sign "One"\n'))[0][0]["extra"] == {}
+
+
+@pytest.mark.parametrize("input_option, output_option", [
+    ("--input_dir", "--output_dir"), ("--input-dir", "--output-dir"), ("--input", "--output_dir")])
+def test_the_recipes_option_spellings_convert(tmp_path, input_option, output_option):
+    """The recipe calls the converter with --input_dir and --output_dir."""
+    result = data_cli(input_option, SAMPLE, output_option, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert "train: 40 prompts written" in result.stdout and "test: 8 prompts written" in result.stdout
+    assert len(load_prompts(tmp_path / "out" / "train.jsonl")[0]) == 40
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("p.txt", b'A sign "One"\rA sign\r', "p.txt:2: no quoted target"),
+    ("p.txt", b'A sign "One"\nA sign \0"Two"\n', "p.txt:2: a NUL byte"),
+    ("p.txt", b'{"prompt": "a sign \\"Hi\\""}\n', "p.txt:1: a JSON object in a raw text file"),
+    ("p.jsonl", b'\xef\xbb\xbf{"prompt": "A sign"}\n', "p.jsonl:1: no quoted target"),
+])
+def test_the_checks_a_review_doubted_stay_one_line_errors(tmp_path, name, data, message):
+    """A code review asked whether load_prompts' byte-order-mark, line-end, NUL and JSON-in-text
+    handling was needed: each guards a user's file (an editor's BOM or CR line ends, a binary file, a
+    misnamed JSON Lines file) against a wrong prompt or target taken silently, so each stays."""
+    (tmp_path / name).write_bytes(data)
+    result = data_cli("--input", tmp_path / name, "--output-dir", tmp_path / "out")
+    assert_one_line_error(result, message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_py_lines_fit_100_characters_one_statement_each():
+    source = (ROOT / "data.py").read_text(encoding="utf-8")
+    long = [n for n, line in enumerate(source.splitlines(), start=1) if len(line) > 100]
+    assert not long, f"data.py lines over 100 characters: {long}"
+    starts = [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.stmt)]
+    assert len(starts) == len(set(starts)), "data.py has two statements on one line"
