@@ -3,9 +3,11 @@
 A run directory holds one run: its TensorBoard events, `global_step_N/` checkpoints (N = iterations done) and
 `summary.json`. A process owns it through an exclusive lock on `run.lock`, held for the process lifetime, so two live
 processes never share one; a directory that already holds a run is only continued by `--resume-from` its checkpoint,
-or replaced with `--overwrite`. A resume refuses settings that would change the run's math (`SAFE_TO_CHANGE_ON_RESUME`
-lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal; a failed scorer stops the run
-before it trains on the failed iteration, saving the one before; the summary then says what stopped it.
+or replaced with `--overwrite`. `--resume-from latest` is the newest complete checkpoint of --output-dir/--run-name,
+or a new run where it has none (resolve_latest). A resume refuses settings that would change the run's math
+(`SAFE_TO_CHANGE_ON_RESUME` lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal;
+a failed scorer stops the run before it trains on the failed iteration, saving the one before; the summary then says
+what stopped it.
 """
 
 import fcntl
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import resource
 import shutil
 import signal
@@ -32,6 +35,9 @@ from rollout import export_lora, load_lora_state_dict, lora_state_dict
 
 ADAPTERS = ("policy", "old", "sampling")
 RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json")  # what makes a directory hold a run
+# what a save writes: a global_step_N without one of them is no complete checkpoint
+CHECKPOINT_FILES = ("policy_lora", "adapters.safetensors", "optimizer.pt", "trainer_state.json")
+LATEST = "latest"  # --resume-from latest: the newest complete checkpoint of the run, or a new run
 
 # Every Args field not named here defines the run: a resume that changes it is refused, so a new algorithm field is
 # protected without being listed. These may change because the training continues the same trajectory with them:
@@ -136,6 +142,7 @@ def prepare_run(args, algorithm, world_size, main_process):
     """Before any model loads: the run directory, checked and (main process) locked, with a resume's checkpoint checked
     (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
     the checkpoint's. Returns (run directory, lock file to keep open or None)."""
+    replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
     run_dir = run_directory(args, f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
     if args.resume_from:
@@ -166,9 +173,64 @@ def prepare_run(args, algorithm, world_size, main_process):
     if args.dry_run:  # checked, but neither created nor locked: the real run may start in a while
         if blocked := directory_blocked(run_dir):
             raise RunError(f"cannot create the run directory {run_dir}: {blocked}")
-        held_run(run_dir, bool(args.resume_from), args.overwrite)
+        held_run(run_dir, bool(args.resume_from), args.overwrite or replace_unsaved)
         return run_dir, None
-    return run_dir, claim_run_directory(run_dir, bool(args.resume_from), args.overwrite)
+    replace = args.overwrite or replace_unsaved
+    return run_dir, claim_run_directory(run_dir, bool(args.resume_from), replace)
+
+
+def resolve_latest(args, main_process):
+    """--resume-from latest, in place: the newest complete checkpoint of {output_dir}/{run_name},
+    or "" (a new run) where it has none. Returns whether that new run replaces what starts that
+    saved no checkpoint left there (events, a summary of 0 iterations), else refused as a run
+    already there: a restart before the first checkpoint (torchrun's after a lost rank, a requeued
+    job's) then starts the run again instead of failing at every attempt."""
+    if args.resume_from != LATEST:
+        return False
+    if not args.run_name:
+        raise RunError("--resume-from latest needs --run-name: without one, every start names a "
+                       "new run directory (after its start time), never one with a checkpoint")
+    run_dir = Path(args.output_dir) / args.run_name
+    found, skipped = latest_checkpoint(run_dir)
+    if skipped and main_process:
+        names = ", ".join(p.name for p in skipped)
+        print(f"--resume-from latest: skipping {names} of {run_dir}: incomplete (it lacks one of "
+              f"{', '.join(CHECKPOINT_FILES)})", flush=True)
+    args.resume_from = str(found or "")
+    if found:
+        if main_process:
+            print(f"--resume-from latest: {found}", flush=True)
+        return False
+    left = []
+    if run_dir.is_dir():
+        left = sorted(p.name for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern))
+    try:
+        done = json.loads((run_dir / "summary.json").read_text()).get("iterations")
+    except (OSError, ValueError, AttributeError):  # none, or damaged: nothing says a run trained
+        done = None
+    if whole(done, 1):  # its checkpoints were removed: refused, not replaced
+        raise RunError(f"--resume-from latest: {run_dir} holds a run of {done} iterations "
+                       "(summary.json) but no complete checkpoint; resume from a checkpoint path, "
+                       "or remove it or choose another --run-name")
+    if main_process:
+        replaced = f", replacing {', '.join(left)} (left by starts that saved none)" if left else ""
+        print(f"--resume-from latest: no checkpoint in {run_dir}: a new run{replaced}", flush=True)
+    return bool(left)
+
+
+def latest_checkpoint(run_dir):
+    """(The newest complete global_step_N directory of run_dir or None, the newer incomplete ones.)
+    A save's temporary .global_step_N.* is never a checkpoint; a global_step_N that lacks a file a
+    save writes was left half-removed by a kill (--keep-last, a repeated save of one iteration) or
+    changed by hand."""
+    steps = [p for p in Path(run_dir).glob("global_step_*")
+             if re.fullmatch(r"global_step_[0-9]+", p.name) and p.is_dir()]
+    skipped = []
+    for path in sorted(steps, key=lambda p: int(p.name.split("_")[-1]), reverse=True):
+        if all((path / name).exists() for name in CHECKPOINT_FILES):
+            return path, skipped
+        skipped.append(path)
+    return None, skipped
 
 
 def directory_blocked(path):
@@ -207,6 +269,8 @@ def claim_run_directory(run_dir, resuming, overwrite):
     except OSError as error:
         raise RunError(f"cannot create the run directory {run_dir} ({error.strerror or error})") from None
     try:
+        # the kernel drops a flock when its holder dies, by kill -9 too; torchrun restarts only
+        # after every rank of the failed attempt exited: a restarted rank 0 takes the run over
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
@@ -405,10 +469,27 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
     if args.resume_from:
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
+    check_same_start(state["iteration"], args, device, world_size)
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
     state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=algorithm)
     state["data_sha256"] = prompt_sha256  # a file edited later in the run is then a change that a resume refuses
     return state
+
+
+def check_same_start(iteration, args, device, world_size):
+    """RunError on a rank that starts at another iteration than rank 0 (a collective: every rank
+    calls it). Under --resume-from latest each rank finds the newest checkpoint itself; a node whose
+    view of the shared run directory lags (a network file system's cached listing right after a
+    save) would otherwise train from other adapters than rank 0's."""
+    if world_size == 1 or not dist.is_initialized():
+        return
+    first = torch.tensor([iteration], dtype=torch.int64, device=device)
+    dist.broadcast(first, 0)
+    if int(first) != iteration:
+        start = args.resume_from or "a new run"
+        raise RunError(f"rank {dist.get_rank()} starts at iteration {iteration} ({start}), rank 0 "
+                       f"at iteration {int(first)}: every node must see the same run directory, on "
+                       "storage they share")
 
 
 def peak_memory_gib(device):

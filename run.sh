@@ -8,6 +8,12 @@
 # OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
 # REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's),
 # STOP_TIMEOUT (600: seconds several actor ranks get to finish the iteration and save after SIGTERM/Ctrl-C).
+# Several nodes and restarts (README, "Multi-node and Slurm"): NNODES (1), NODE_RANK (0; node 0
+# hosts the rendezvous), MASTER_ADDR (node 0's address) and MASTER_PORT (29500) or RDZV_ENDPOINT
+# (host:port), RDZV_ID (RUN_NAME), MAX_RESTARTS (0: how often torchrun restarts all ranks after one
+# fails), RUN_NAME (the run OUTPUT_DIR/RUN_NAME, started or continued by --resume-from latest;
+# needed with NNODES > 1, made up once per launch with MAX_RESTARTS on one node), REWARD_URLS (vLLM
+# servers elsewhere, comma-separated: none is started here; else every node starts its own).
 # SIGTERM or Ctrl-C stops the run at the end of its iteration with a checkpoint; the exit status is then 143 / 130.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -86,14 +92,36 @@ MODEL=${MODEL:-stabilityai/stable-diffusion-3.5-medium}
 REWARD_MODEL=${REWARD_MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}
 REWARD_PORT=${REWARD_PORT:-8000}
 STOP_TIMEOUT=${STOP_TIMEOUT:-600}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-$MASTER_ADDR:$MASTER_PORT}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+RUN_NAME=${RUN_NAME:-}
+RDZV_ID=${RDZV_ID:-$RUN_NAME}
+REWARD_URLS=${REWARD_URLS:-}
 for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS EVAL_PROMPTS REWARD_PORT \
-            STOP_TIMEOUT; do
+            STOP_TIMEOUT NNODES NODE_RANK MASTER_PORT MAX_RESTARTS; do
   [[ ${!name} =~ ^(0|[1-9][0-9]*)$ ]] || { echo "run.sh: error: $name=${!name}: not a whole number" >&2; exit 1; }
 done
 (( NUM_GPUS_ACTOR_ROLLOUT > 0 )) || { echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed" >&2; exit 1; }
 (( REWARD_PORT >= 1 && REWARD_PORT <= 65535 )) || { echo "run.sh: error: REWARD_PORT=$REWARD_PORT: not a TCP port (1-65535)" >&2; exit 1; }
+error() { echo "run.sh: error: $*" >&2; exit 1; }
+(( NNODES >= 1 )) || error "NNODES=0: at least 1 node is needed"
+(( NODE_RANK < NNODES )) || error "NODE_RANK=$NODE_RANK: must be below NNODES=$NNODES"
+(( MASTER_PORT >= 1 && MASTER_PORT <= 65535 )) \
+  || error "MASTER_PORT=$MASTER_PORT: not a TCP port (1-65535)"
+if (( NNODES > 1 )) && [[ -z $RUN_NAME ]]; then
+  error "RUN_NAME: needed with NNODES=$NNODES, for every node and restart to name one run" \
+        "directory"
+fi
+if (( MAX_RESTARTS > 0 )) && [[ -z $RUN_NAME ]]; then
+  RUN_NAME=$algo-$(date +%Y%m%d-%H%M%S)  # one node: one name for every restart of this launch
+fi
 
 available=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[[ -z $REWARD_URLS ]] || NUM_GPUS_REWARD=0  # the servers of REWARD_URLS run elsewhere
 needed=$((NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD))
 if (( needed > available )); then
   echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=$NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD=$NUM_GPUS_REWARD = $needed GPUs asked, $available present" >&2
@@ -106,7 +134,10 @@ if (( NUM_GPUS_REWARD > 0 && NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
   reward_args=(--text-encoder-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 serve_reward=false
-if (( NUM_GPUS_REWARD == 0 )); then
+if [[ -n $REWARD_URLS ]]; then
+  read -ra urls <<<"${REWARD_URLS//,/ }"
+  reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "${urls[@]}")
+elif (( NUM_GPUS_REWARD == 0 )); then
   reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL")          # scored on each actor's own GPU
 elif "$PYTHON" -c "import vllm" 2>/dev/null; then
   serve_reward=true
@@ -117,12 +148,19 @@ fi
 trainer=("$algo.py" --model "$MODEL" --train-data "$TRAIN_DATA" --eval-data "$EVAL_DATA" --group-size "$GROUP_SIZE"
          --resolution "$IMAGE_RESOLUTION" --num-iterations "$TOTAL_TRAINING_STEPS" --eval-prompts "$EVAL_PROMPTS"
          --output-dir "$OUTPUT_DIR"
-         "${reward_args[@]}" "$@")
+         "${reward_args[@]}")
+if [[ -n $RUN_NAME ]]; then
+  trainer+=(--run-name "$RUN_NAME" --resume-from latest)  # a restart or a rerun continues the run
+fi
+trainer+=("$@")
 
 if $serve_reward; then
   "$PYTHON" "${trainer[@]}" --dry-run  # a mistyped argument or prompt file must not wait minutes for a healthy server
   reward_gpus=$(seq -s, "$NUM_GPUS_ACTOR_ROLLOUT" $((needed - 1)))
   log="$OUTPUT_DIR/reward_server.log"
+  if (( NNODES > 1 )); then
+    log="$OUTPUT_DIR/reward_server.node$NODE_RANK.log"  # one server per node, OUTPUT_DIR shared
+  fi
   mkdir -p "$OUTPUT_DIR"
   # --gpu-memory-utilization: vLLM's default 0.9 would leave no room for the text encoders beside it
   serve=(vllm serve "$REWARD_MODEL" --host 127.0.0.1 --port "$REWARD_PORT" --data-parallel-size "$NUM_GPUS_REWARD"
@@ -140,14 +178,30 @@ if $serve_reward; then
     || { echo "run.sh: error: the reward server did not become healthy in 600 s; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
 fi
 
-if (( NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
+if (( NUM_GPUS_ACTOR_ROLLOUT == 1 && NNODES == 1 && MAX_RESTARTS == 0 )); then
   launcher=("$PYTHON")  # one process: without torchrun, whose report of a failed rank would bury the trainer's error
 else
   # torchrun (launch.py: with the shell's exit codes, no traceback); TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long the ranks
   # may take to finish their iteration and save after a signal before torchrun kills them (torch >= 2.12 reads it, as
   # its --shutdown-timeout; older torchruns ignore it and keep their 30 s)
-  launcher=(env TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_TIMEOUT" "$PYTHON" launch.py --standalone
-            --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT")
+  torchrun_args=(--standalone)
+  if (( NNODES > 1 )); then
+    # c10d: the agents of all nodes meet at RDZV_ENDPOINT, whose store node 0's agent hosts
+    # (is_host, not guessed from host names); the rendezvous numbers the ranks, NODE_RANK only
+    # picks the host
+    torchrun_args=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+                   --rdzv-id "$RDZV_ID" --rdzv-conf "is_host=$(( NODE_RANK == 0 ))")
+  fi
+  restart_env=()
+  if (( MAX_RESTARTS > 0 )); then
+    torchrun_args+=(--max-restarts "$MAX_RESTARTS")
+    # the ranks of a restart get a store of their own: in the agent's store, which outlives an
+    # attempt, a restarted rank can read the dead rank 0's gloo/NCCL address before the new rank 0
+    # writes its own, and fails to connect (torch 2.13; pytorch/pytorch#135712)
+    restart_env=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+  fi
+  launcher=(env TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_TIMEOUT" "${restart_env[@]}" "$PYTHON"
+            launch.py "${torchrun_args[@]}" --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 cmd=("${launcher[@]}" "${trainer[@]}")
 echo "+ ${cmd[*]}"

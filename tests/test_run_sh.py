@@ -8,6 +8,7 @@ that is not activated): run.sh must use $PYTHON, which the tests set to this int
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -143,6 +144,12 @@ def test_a_trainer_error_is_its_one_line(tmp_path):
     ({"NUM_GPUS_REWARD": "-1"}, "NUM_GPUS_REWARD=-1: not a whole number"),
     ({"GROUP_SIZE": "6x"}, "GROUP_SIZE=6x: not a whole number"),
     ({"REWARD_PORT": "70000"}, "REWARD_PORT=70000: not a TCP port (1-65535)"),
+    ({"NNODES": "0"}, "NNODES=0: at least 1 node is needed"),
+    ({"NNODES": "2", "NODE_RANK": "2", "RUN_NAME": "r"}, "NODE_RANK=2: must be below NNODES=2"),
+    ({"MASTER_PORT": "0"}, "MASTER_PORT=0: not a TCP port (1-65535)"),
+    ({"MAX_RESTARTS": "two"}, "MAX_RESTARTS=two: not a whole number"),
+    ({"NNODES": "2"}, "RUN_NAME: needed with NNODES=2, for every node and restart to name one run "
+                      "directory"),
 ])
 def test_bad_environment_overrides_are_one_line(tmp_path, override, message):
     result = run_sh({**fake_tools(tmp_path), **override}, "crd", timeout=30)
@@ -224,3 +231,29 @@ def test_ctrl_c_to_run_sh_stops_several_ranks_with_a_checkpoint_and_exit_130(tmp
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] is False and summary["stopped_by"] == "SIGINT" and summary["world_size"] == 2
     assert [p.name for p in run.glob("*global_step_*")] == [f"global_step_{summary['iterations']}"]
+
+
+def launched(env, **overrides):
+    """The command run.sh launches, with PYTHON a stand-in that prints its arguments."""
+    result = run_sh({**env, "PYTHON": "echo", **overrides}, "crd", timeout=30)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()[0]
+
+
+def test_several_nodes_and_restarts_launch_through_torchrun(tmp_path):
+    """One node restarted by torchrun names its run once for all restarts; a node of several meets
+    the others at node 0's rendezvous; REWARD_URLS scores on servers elsewhere, starting none."""
+    env = fake_tools(tmp_path)
+    command = launched(env, MAX_RESTARTS="2", NUM_GPUS_REWARD="0")
+    assert command.startswith("+ env TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 "
+                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 echo launch.py --standalone "
+                              "--max-restarts 2 --nproc-per-node 1 crd.py ")
+    assert re.search(r" --run-name crd-[0-9]{8}-[0-9]{6} --resume-from latest$", command), command
+    command = launched(env, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", RUN_NAME="r",
+                       REWARD_URLS="http://10.0.0.7:8000,http://10.0.0.8:8000")
+    assert command.startswith("+ env TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 echo launch.py --nnodes 2 "
+                              "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id r "
+                              "--rdzv-conf is_host=0 --nproc-per-node 1 crd.py ")
+    assert command.endswith(" --reward vllm --reward-model Qwen/Qwen2.5-VL-3B-Instruct --reward-urls "
+                            "http://10.0.0.7:8000 http://10.0.0.8:8000 --run-name r --resume-from "
+                            "latest")  # no --text-encoder-device: no reward GPU here

@@ -1,0 +1,322 @@
+"""Several nodes, simulated on one host, and runs that continue by themselves: run.sh's torchrun
+launch with NNODES > 1 (c10d rendezvous on 127.0.0.1), a SIGTERM to one node, a rank killed under
+MAX_RESTARTS, and `--resume-from latest` (checkpoint.resolve_latest).
+
+Each "node" is one `bash run.sh crd` (torchrun's agent, one CPU rank, gloo) on the tiny model. What
+this cannot show is a real network between hosts: every process here talks over the loopback.
+"""
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import checkpoint
+import crd
+from test_distributed import DIST_ENV, ROOT, TIMEOUT, TINY_RUN, adapters
+from test_hardening import lora_transformer, saved_run  # noqa: F401 (a fixture, used by name)
+from test_run_sh import fake_tools, free_port
+
+ITERATIONS = 3  # the uninterrupted runs; the interrupted ones stop or lose a rank before the last
+
+
+def run_env(tmp_path, tiny_model_dir, out):
+    """run.sh's environment for tiny CPU runs in `out`: stand-in GPUs (fake_tools), no reward server
+    (the runs score brightness), run `run` continued by --resume-from latest."""
+    env = {k: v for k, v in fake_tools(tmp_path).items() if k not in DIST_ENV}
+    env.update(CRD_CACHE=str(tiny_model_dir.parent), OUTPUT_DIR=str(out), NUM_GPUS_REWARD="0",
+               OMP_NUM_THREADS="1", RUN_NAME="run", STOP_TIMEOUT="60")
+    return env
+
+
+def start(env, log, *extra, **overrides):
+    """`bash run.sh crd` (which execs torchrun's agent) in a session of its own, its output in
+    log.out and log.err (files: two nodes' pipes would fill while one is read): the process."""
+    cmd = ["bash", "run.sh", "crd", *TINY_RUN, "--prompts-per-rank", "1", *map(str, extra)]
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, env={**env, **overrides}, stdout=out, stderr=err,
+                                start_new_session=True)
+
+
+def two_nodes(env, log, *extra, **overrides):
+    """Two agents, as NODE_RANK 0 and 1 of NNODES=2, meeting at 127.0.0.1 on a free port."""
+    port = str(free_port())
+    return [start(env, f"{log}{rank}", *extra, NNODES="2", NODE_RANK=str(rank), MASTER_PORT=port,
+                  **overrides) for rank in (0, 1)]
+
+
+def finish(processes, log_names):
+    """Wait for every process (each killed with its session at the timeout): [(exit status, stdout,
+    stderr)]."""
+    deadline = time.time() + TIMEOUT
+    results = []
+    for process, log in zip(processes, log_names):
+        try:
+            process.wait(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                os.killpg(other.pid, signal.SIGKILL)
+            raise AssertionError(f"{log}: timed out after {TIMEOUT} s:\n"
+                                 f"{open(f'{log}.err').read()[-3000:]}") from None
+        results.append((process.returncode, open(f"{log}.out").read(), open(f"{log}.err").read()))
+    return results
+
+
+def succeed(processes, log_names):
+    results = finish(processes, log_names)
+    for (code, _, err), log in zip(results, log_names):
+        assert code == 0, f"{log} failed ({code}):\n{err[-3000:]}"
+    return results
+
+
+def wait_for(path_glob, run_dir, what):
+    deadline = time.time() + TIMEOUT
+    while not list(run_dir.glob(path_glob)):
+        assert time.time() < deadline, f"no {what} in {run_dir} after {TIMEOUT} s"
+        time.sleep(0.05)
+
+
+def training_scalars(run_dir):
+    """{tag: {step: value}} of every scalar but the timings (perf/)."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {s.step: s.value for s in events.Scalars(tag)} for tag in events.Tags()["scalars"]
+            if not tag.startswith("perf/")}
+
+
+def assert_same_training(run_dir, expected_dir):
+    """Bitwise the same adapters after the last iteration, and the same logged values."""
+    ours, theirs = adapters(run_dir, ITERATIONS), adapters(expected_dir, ITERATIONS)
+    assert ours.keys() == theirs.keys()
+    assert [key for key in ours if not torch.equal(ours[key], theirs[key])] == []
+    logged, expected = training_scalars(run_dir), training_scalars(expected_dir)
+    assert logged == expected and max(logged["losses/loss"]) == ITERATIONS
+
+
+@pytest.fixture(scope="session")
+def one_node(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run: one node of 2 ranks, ITERATIONS iterations. Run once a session: the
+    xdist workers share it through a lock (a module fixture would run on every worker)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    shared = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.mktemp("one")
+    base = shared / "multinode_one_node"
+    with open(shared / "multinode_one_node.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (base / "runs" / "run" / "summary.json").is_file():
+            shutil.rmtree(base, ignore_errors=True)  # a failed attempt's
+            base.mkdir()
+            env = run_env(base, tiny_model_dir, base / "runs")
+            succeed([start(env, base / "node", "--num-iterations", ITERATIONS,
+                           NUM_GPUS_ACTOR_ROLLOUT="2")], [base / "node"])
+    return base / "runs" / "run"
+
+
+def test_two_nodes_train_bitwise_like_one_node_of_two_ranks(one_node, tiny_model_dir, tmp_path):
+    """Also a start of --resume-from latest (run.sh passes it with RUN_NAME) on a new directory."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    logs = [tmp_path / "node0", tmp_path / "node1"]
+    results = succeed(two_nodes(env, tmp_path / "node", "--num-iterations", ITERATIONS), logs)
+    commands = [line for _, out, _ in results for line in out.splitlines() if line.startswith("+ ")]
+    for rank, command in enumerate(commands):
+        assert "launch.py --nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" in command
+        assert f"--rdzv-id run --rdzv-conf is_host={int(rank == 0)} " in command
+        assert " --run-name run --resume-from latest " in command
+    run = tmp_path / "runs" / "run"
+    assert "--resume-from latest: no checkpoint in" in results[0][1] + results[1][1]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    assert_same_training(run, one_node)
+
+
+def test_sigterm_to_one_node_stops_both_and_one_node_resumes_bitwise(one_node, tiny_model_dir,
+                                                                       tmp_path):
+    """SIGTERM to node 0's agent alone (which hosts the rendezvous): it forwards the signal to its
+    rank, and the agreed stop (an all-reduce) stops node 1's rank after the same iteration, which
+    rank 0 saves. One node of 2 ranks then continues from it, bitwise."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    run = tmp_path / "runs" / "run"
+    nodes = two_nodes(env, tmp_path / "node", "--num-iterations", 1000, "--save-every", 1000)
+    wait_for("events.*", run, "TensorBoard events")  # the first iteration starts
+    os.kill(nodes[0].pid, signal.SIGTERM)
+    (code0, _, err0), (code1, _, err1) = finish(nodes, [tmp_path / "node0", tmp_path / "node1"])
+    assert code0 == code1 == 143, (err0[-3000:], err1[-3000:])  # node 1's rank: the agreed SIGTERM
+    assert "Traceback" not in err0 + err1, (err0[-3000:], err1[-3000:])
+    assert "launch.py: stopped by SIGTERM, which torchrun forwarded to the ranks" in err0
+    (saved,) = run.glob("*global_step_*")  # one, complete (no temporary directory left)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] is False and summary["stopped_by"] == "SIGTERM"
+    assert summary["iterations"] == int(saved.name.split("_")[-1]) < ITERATIONS
+    resumed = succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
+                             NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
+    assert f"--resume-from latest: {saved}\n" in resumed[0][1]
+    assert_same_training(run, one_node)
+
+
+def test_a_rank_killed_restarts_the_run_from_its_latest_checkpoint(one_node, tiny_model_dir,
+                                                                   tmp_path):
+    """kill -9 of rank 0 (the run lock's holder) once a checkpoint exists, two nodes under
+    MAX_RESTARTS=1: both agents restart their ranks, the new rank 0 takes the lock over and the run
+    continues from its latest checkpoint to the uninterrupted run's adapters."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    run = tmp_path / "runs" / "run"
+    nodes = two_nodes(env, tmp_path / "node", "--num-iterations", ITERATIONS, MAX_RESTARTS="1")
+    wait_for("global_step_1", run, "first checkpoint")
+    killed = int((run / "run.lock").read_text())
+    os.kill(killed, signal.SIGKILL)
+    results = succeed(nodes, [tmp_path / "node0", tmp_path / "node1"])
+    assert all(" --max-restarts 1 --nproc-per-node 1 " in out for _, out, _ in results)
+    assert int((run / "run.lock").read_text()) != killed
+    starts = json.loads((run / f"global_step_{ITERATIONS}" / "trainer_state.json").read_text())
+    assert len(starts["start_iterations"]) == 2 and starts["start_iterations"][0] == 1  # 2 starts
+    resumed_at = starts["start_iterations"][1] - 1
+    printed = results[0][1] + results[1][1]
+    assert f"--resume-from latest: {run / f'global_step_{resumed_at}'}\n" in printed
+    assert_same_training(run, one_node)
+
+
+def latest(args, **changes):
+    """prepare_run with --resume-from latest (the main process of one): (run directory, lock)."""
+    return checkpoint.prepare_run(dataclasses.replace(args, resume_from="latest", **changes), "crd",
+                                  1, True)
+
+
+def test_latest_without_a_checkpoint_starts_a_new_run(tmp_path, capsys):
+    args = crd.Args(output_dir=str(tmp_path), run_name="run", resume_from="latest")
+    run_dir, lock = checkpoint.prepare_run(args, "crd", 1, True)
+    lock.close()
+    assert args.resume_from == "" and run_dir == tmp_path / "run"
+    new_run = f"--resume-from latest: no checkpoint in {run_dir}: a new run"
+    assert capsys.readouterr().out == f"{new_run}\n"
+    # what a start killed before its first checkpoint leaves: replaced, or no restart could start
+    (run_dir / "events.out.tfevents.1.host.1.0").write_text("")
+    (run_dir / ".global_step_1.x7rq2m").mkdir()
+    run_dir, lock = latest(args)
+    lock.close()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]
+    assert capsys.readouterr().out == (f"{new_run}, replacing events.out.tfevents.1.host.1.0 "
+                                       "(left by starts that saved none)\n")
+
+
+def test_latest_refuses_what_it_cannot_continue_in_one_line(tmp_path):
+    with pytest.raises(checkpoint.RunError) as error:
+        latest(crd.Args(output_dir=str(tmp_path)))
+    assert str(error.value) == ("--resume-from latest needs --run-name: without one, every "
+                                "start names a new run directory (after its start time), never "
+                                "one with a checkpoint")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"iterations": 12}))
+    with pytest.raises(checkpoint.RunError) as error:
+        latest(crd.Args(output_dir=str(tmp_path), run_name="run"))
+    assert str(error.value) == (f"--resume-from latest: {tmp_path / 'run'} holds a run of 12 "
+                                "iterations (summary.json) but no complete checkpoint; resume "
+                                "from a checkpoint path, or remove it or choose another --run-name")
+
+
+def test_latest_takes_the_newest_complete_checkpoint(lora_transformer, tmp_path,  # noqa: F811
+                                                     capsys):
+    """Not the newest directory, whatever a kill left: a global_step_N half-removed by --keep-last,
+    a save's temporary directory (removed when the run takes its directory). The settings check of a
+    resume applies to the checkpoint found."""
+    first, args = saved_run(lora_transformer, tmp_path)
+    run_dir = first.parent
+    transformer, optimizer = lora_transformer
+    state = json.loads((first / "trainer_state.json").read_text())
+    for iteration in (2, 3):
+        checkpoint.save_checkpoint(run_dir, iteration, transformer, optimizer,
+                                   {**state, "iteration": iteration}, keep_last=0)
+    (run_dir / "global_step_3" / "optimizer.pt").unlink()
+    (run_dir / ".global_step_4.x7rq2m").mkdir()
+    shutil.copy(first / "trainer_state.json", run_dir / ".global_step_4.x7rq2m")
+    capsys.readouterr()
+    resolved = dataclasses.replace(args, resume_from="latest", dry_run=False)
+    found_in, lock = checkpoint.prepare_run(resolved, "crd", 1, True)
+    assert found_in == run_dir
+    assert resolved.resume_from == str(run_dir / "global_step_2")
+    assert not (run_dir / ".global_step_4.x7rq2m").exists()
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        f"--resume-from latest: skipping global_step_3 of {run_dir}: incomplete (it lacks one of "
+        "policy_lora, adapters.safetensors, optimizer.pt, trainer_state.json)",
+        f"--resume-from latest: {run_dir / 'global_step_2'}"]
+    differ = f"settings that define the run differ from the checkpoint's: seed {args.seed} -> 1"
+    with pytest.raises(checkpoint.RunError, match=differ):
+        latest(args, seed=1)  # a dry run: the lock above is still held
+    lock.close()
+
+
+def test_a_rank_that_found_another_latest_checkpoint_stops(monkeypatch):
+    """A node whose view of the shared run directory lags would otherwise train other adapters.
+    Rank 1 of 2 here, rank 0's broadcast standing in (every run of several ranks above calls the
+    real one, and passes)."""
+    monkeypatch.setattr(checkpoint.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(checkpoint.dist, "broadcast", lambda tensor, src: tensor.fill_(1))
+    checkpoint.check_same_start(1, crd.Args(), "cpu", 2)  # rank 0's iteration: it starts
+    with pytest.raises(checkpoint.RunError) as error:
+        checkpoint.check_same_start(2, crd.Args(resume_from="x/global_step_2"), "cpu", 2)
+    assert str(error.value) == ("rank 1 starts at iteration 2 (x/global_step_2), rank 0 at "
+                                "iteration 1: every node must see the same run directory, on "
+                                "storage they share")
+
+
+# Stand-ins for Slurm on one host: srun runs its command once per node (SLURM_NODEID 0, 1, ...)
+# and exits with the highest status; scontrol knows two host names and records a requeue. The
+# trainer's interpreter prints what it was given and exits $STAND_IN_EXIT (143: a SIGTERM stop).
+SRUN = """#!/bin/bash
+while [[ $1 == --* ]]; do shift; done
+status=0
+pids=()
+for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
+  SLURM_NODEID=$node "$@" > "$SRUN_LOG.$node" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do
+  wait "$pid" || { code=$?; (( code > status )) && status=$code; }
+done
+exit $status
+"""
+SCONTROL = """#!/bin/bash
+case $1 in
+  show) printf 'node-a\\nnode-b\\n' ;;
+  requeue) echo "requeue $2" >> "$SRUN_LOG.scontrol" ;;
+esac
+"""
+PYTHON = """#!/bin/bash
+echo "python $*"
+exit "$STAND_IN_EXIT"
+"""
+
+
+@pytest.mark.parametrize("completed", [False, True])
+def test_the_sbatch_script_starts_a_node_each_and_requeues_an_unfinished_run(completed, tmp_path):
+    env = fake_tools(tmp_path)
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("python", PYTHON)):
+        (tmp_path / "bin" / name).write_text(text)
+        (tmp_path / "bin" / name).chmod(0o755)
+    if completed:  # the run had done its last iteration when the signal came
+        (tmp_path / "runs" / "crd-1234").mkdir(parents=True)
+        (tmp_path / "runs" / "crd-1234" / "summary.json").write_text('{\n "completed": true\n}')
+    env.update(PYTHON=str(tmp_path / "bin" / "python"), STAND_IN_EXIT="143", NUM_GPUS_REWARD="0",
+               SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_ID="1234",
+               SLURM_SUBMIT_DIR=str(ROOT), SRUN_LOG=str(tmp_path / "srun"),
+               OUTPUT_DIR=str(tmp_path / "runs"))
+    sbatch = ROOT / "examples" / "slurm" / "crd.sbatch"  # sbatch runs it from elsewhere: a copy
+    result = subprocess.run(["bash", sbatch, "--learning-rate", "1e-4"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 143, result.stderr
+    for node in (0, 1):
+        printed = (tmp_path / f"srun.{node}").read_text()
+        assert ("launch.py --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node-a:21234 "
+                f"--rdzv-id crd-1234 --rdzv-conf is_host={int(node == 0)} --max-restarts 3 "
+                "--nproc-per-node 1 crd.py ") in printed
+        assert printed.rstrip().endswith("--run-name crd-1234 --resume-from latest "
+                                         "--learning-rate 1e-4")
+    requeued = tmp_path / "srun.scontrol"
+    expected = "" if completed else "requeue 1234\n"
+    assert (requeued.read_text() if requeued.exists() else "") == expected
