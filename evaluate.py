@@ -19,7 +19,6 @@ import math
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from tqdm import tqdm
 from checkpoint import RunError, read_adapters
 from common import check_devices, fail
 from data import DataError, load_prompts
-from reward import SCORERS, ServerError, make_scorer
+from reward import SCORERS, ScoringThread, ServerError, make_scorer
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
                      sample)
@@ -99,8 +98,7 @@ class Args:
     forward_batch_size: int = 48
     """most rows in one transformer forward (a CFG image takes two)"""
     compile: bool = False
-    """torch.compile the transformer blocks and VAE decoder on CUDA: 3-4 minutes of compiling for about 2x faster
-    sampling, worth it for the whole test set"""
+    """torch.compile the transformer blocks and VAE decoder on CUDA (worth it for the whole test set)"""
     output_dir: str = "evals"
     """results are written to {output_dir}/{name}/"""
     name: str = ""
@@ -303,11 +301,11 @@ if __name__ == "__main__":
     todo = [i for i in range(len(prompts)) if i not in done]
     print(f"{out}: {len(prompts) - len(todo)} of {len(prompts)} prompts already scored", flush=True)
 
-    scoring, judging = ThreadPoolExecutor(1), ThreadPoolExecutor(1)  # the scorers read a chunk while the next samples
+    threads = []  # the scorers' threads: they read a chunk while the next one samples
 
     def stop(signum, frame):
-        for executor in (scoring, judging):
-            executor.shutdown(wait=False, cancel_futures=True)
+        for thread in threads:
+            thread.cancel()
         print(f"\nstopped by signal {signum}: {len(done)} of {len(prompts)} prompts are scored in {results_path}; "
               "the same command continues", file=sys.stderr)
         sys.exit(128 + signum)
@@ -323,9 +321,11 @@ if __name__ == "__main__":
             if lora:
                 load_lora(pipe.transformer, lora, rank, alpha,
                           f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--lora {args.lora}")
-            scorer = make_scorer(args.reward, device=args.reward_device or str(device), model_path=args.reward_model,
-                                 urls=args.reward_urls, batch_size=args.batch_size)
-            judge = make_scorer(judge_name) if judge_name else None
+            scorer = ScoringThread(make_scorer(args.reward, device=args.reward_device or str(device),
+                                               model_path=args.reward_model, urls=args.reward_urls,
+                                               batch_size=args.batch_size))
+            judge = ScoringThread(make_scorer(judge_name)) if judge_name else None
+            threads += [scorer, judge] if judge else [scorer]
         except (OSError, RuntimeError, ValueError, KeyError) as error:
             fail(str(error).splitlines()[0] if str(error) else repr(error))
         if args.compile and device.type == "cuda":
@@ -333,20 +333,28 @@ if __name__ == "__main__":
             compile_decoder(pipe.vae)
         negative = negative_embeddings(pipe, args.max_sequence_length)
 
-    pending = []  # (indices, images, scores future, judge future) of the sampled parts of chunks, in order
+    parts = []  # (indices, images) of the sampled parts of chunks not yet written, in order
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", desc="evaluating")
     started = time.perf_counter()
 
-    def write(indices, images, scored, judged):
-        """Append the lines of one scored part of a chunk to results.jsonl, after saving the images it keeps."""
-        (scores, texts), (judge_scores, judge_texts) = scored.result(), judged.result() if judged else ([], [])
+    def write(count):
+        """Append the lines of the first `count` parts to results.jsonl once they are scored, after
+        saving the images it keeps."""
+        if not count:
+            return
+        taken = parts[:count]
+        del parts[:count]
+        scores, texts = scorer.take(count)
+        judge_scores, judge_texts = judge.take(count) if judge else ([], [])
+        indices = [i for part, _ in taken for i in part]
+        images = np.concatenate([part_images for _, part_images in taken])
         lines = []
         for j, i in enumerate(indices):
             if i < args.grid_images or args.save_images:
                 Image.fromarray(images[j]).save(out / "images" / f"{i:05d}.png")
             record = {"index": i, "prompt": prompts[i], "target": targets[i], "transcription": texts[j],
                       "score": float(scores[j])}
-            if judged:
+            if judge:
                 record[f"{judge_name}_transcription"] = judge_texts[j]
                 record[f"{judge_name}_score"] = float(judge_scores[j])
             lines.append(json.dumps(record, ensure_ascii=False) + "\n")
@@ -359,23 +367,22 @@ if __name__ == "__main__":
         for first in range(0, len(todo), args.batch_size):
             indices = todo[first : first + args.batch_size]
             embeds, pooled = encode_prompts(pipe, [prompts[i] for i in indices], args.max_sequence_length)
-            earlier = len(pending)  # the parts of earlier chunks: scored while this one samples, then written
+            earlier = len(parts)  # the parts of earlier chunks: scored while this one samples
 
             def score_part(rows, images):
                 part = indices[rows]
                 part_targets = [targets[i] for i in part]
-                pending.append((part, images, scoring.submit(scorer, images, part_targets),
-                                judging.submit(judge, images, part_targets) if judge else None))
+                parts.append((part, images))
+                scorer.submit(images, part_targets)
+                if judge:
+                    judge.submit(images, part_targets)
 
             with autocast:
                 sample(pipe, embeds, pooled, [args.seed + i for i in indices], args.num_steps, args.guidance,
                        args.resolution, args.resolution, args.forward_batch_size, negative_embeds=negative[0],
                        negative_pooled=negative[1], on_decoded=score_part)
-            for part in pending[:earlier]:
-                write(*part)
-            del pending[:earlier]
-        for part in pending:
-            write(*part)
+            write(earlier)
+        write(len(parts))
     except ServerError as error:
         fail(f"{error} ({len(done)} of {len(prompts)} prompts are scored in {results_path}; the same command "
              "continues)")

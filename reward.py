@@ -301,6 +301,43 @@ class GuardedScorer:
             return np.full(len(targets), np.nan, dtype=np.float32), [""] * len(targets)
 
 
+class ScoringThread:
+    """A scorer that reads in a thread of its own, so that the GPU works meanwhile: `submit` images
+    now, `take` their scores later. One thread: the jobs of one scorer never overlap each other."""
+
+    def __init__(self, scorer: Scorer):
+        self.scorer = scorer
+        self.executor = ThreadPoolExecutor(1)
+        self.pending = []  # futures of (scores, texts, seconds), in submission order
+        self.seconds = 0.0  # the scorer's own time for the jobs taken last
+
+    @property
+    def failure(self) -> str | None:
+        """The first failure of a GuardedScorer, in one line; None while it has not failed."""
+        return getattr(self.scorer, "failure", None)
+
+    def submit(self, images, targets) -> None:
+        self.pending.append(self.executor.submit(self._score, images, targets))
+
+    def take(self, jobs: int | None = None) -> tuple[np.ndarray, list[str]]:
+        """Scores (N,) and transcriptions of the first `jobs` jobs not yet taken (all: None), in order."""
+        taken = self.pending[:jobs] if jobs is not None else self.pending
+        self.pending = self.pending[len(taken):]
+        results = [future.result() for future in taken]
+        self.seconds = sum(seconds for _, _, seconds in results)
+        scores = np.concatenate([scores for scores, _, _ in results]) if results else np.zeros(0)
+        return scores, [text for _, texts, _ in results for text in texts]
+
+    def cancel(self) -> None:
+        """Drop the jobs not started yet (a signal ends the program)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _score(self, images, targets):
+        started = time.perf_counter()
+        scores, texts = self.scorer(images, targets)
+        return scores, texts, time.perf_counter() - started
+
+
 def brightness(images, targets=None) -> tuple[np.ndarray, list[str]]:
     """Mean pixel value / 255; targets are ignored (a reward for learning checks on tiny models)."""
     scores = [np.asarray(image, dtype=np.float32).mean() / 255.0 for image in _to_pil(images)]
