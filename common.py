@@ -1,31 +1,42 @@
-"""What crd.py and dgpo.py share outside their algorithms: the argument checks, the process group with its collectives
-and the agreed stop, the run's exit status, the compile workers of a cold start, and validation (no loss, advantage,
-EMA schedule or optimizer lives here).
+"""What the trainers share outside their algorithms: argument checks, the run (directory,
+resume, logging, checkpoints, the agreed stop), the guarded optimizer step, the compile workers,
+validation and the per-iteration timer. No loss, advantage, EMA schedule or optimizer choice lives
+here.
 
-    check_shared_args(args, check_algorithm_args, train_timestep_grid)  # each bad flag: one line and exit status 1
-    device = actor_device(args.device, world_size)                        # joins the process group of several ranks
-    precompile = start_precompile(args, compile_cache, device, world_size)  # a cold start compiles in workers
-    state["eval"].append(validate(pipe, eval_set, args, ..., iteration))  # sample, score and log the held-out prompts
+    run = Run(args, "crd")                         # ranks, run directory and its lock, stop signals
+    compiler = Compiler(args, run.device, run.world_size); compiler.compile(pipe)
+    for iteration in run.iterations(state, compiler): ...
+    run.finish(state, transformer, optimizer, images_per_rank)   # summary.json and the exit status
 """
 
+import json
 import math
 import os
 import signal
 import sys
 import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
 
+from checkpoint import (GracefulStop, RunError, actor_peak_memory, other_gpus_memory, prepare_run,
+                        prompt_files_sha256, save_last_iteration, start_state, write_summary)
+from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
-from reward import SCORERS
-from rollout import captioned_grid, encode_prompts, images_per_call, sample, use_adapter
+from reward import SCORERS, GuardedScorer, ScoringThread, check_reward_model, make_scorer
+from rollout import (CompileCache, captioned_grid, check_model_path, compile_blocks,
+                     compile_decoder, encode_prompts, images_per_call, predict_velocity, sample,
+                     use_adapter, warn_cut_targets)
 
 
-# ---- argument checks -------------------------------------------------------------------------------------------------
+# ---- argument checks -------------------------------------------------------------------------
 
 
 def fail(message):
@@ -34,85 +45,100 @@ def fail(message):
 
 
 def check_numbers(args, bounds):
-    """One line for a float flag that is not finite or not above ('>') or at least ('>=') its bound."""
+    """One line for a float flag that is not finite, or not above ('>') or at least ('>=') its
+    bound."""
     for flag, (op, bound) in bounds.items():
         value = getattr(args, flag)
         if not (math.isfinite(value) and (value > bound if op == ">" else value >= bound)):
             fail(f"--{flag.replace('_', '-')} {value:g}: must be a finite number {op} {bound:g}")
 
 
+SMALLEST = {  # the least value of each whole-number flag
+    "resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "lora_alpha": 1, "num_steps": 2,
+    "train_batch_size": 1, "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0,
+    "eval_steps": 1, "max_sequence_length": 1, "forward_batch_size": 0,
+    "policy_timesteps_per_forward": 1, "max_nonfinite_steps": 1, "reward_retries": 0, "seed": 0,
+    "eval_seed": 0,
+}
+
+
 def check_shared_args(args, check_algorithm_args, train_timestep_grid):
-    """The flags both trainers share, checked before anything loads; a trainer's own checks run at their place among
-    them: `check_algorithm_args(args)`, then the trained timesteps against `train_timestep_grid(grid, args)`."""
-    for flag, least in {"resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "lora_alpha": 1, "num_steps": 2,
-                        "train_batch_size": 1, "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0,
-                        "eval_steps": 1, "max_sequence_length": 1, "forward_batch_size": 0,
-                        "policy_timesteps_per_forward": 1, "max_nonfinite_steps": 1, "reward_retries": 0, "seed": 0,
-                        "eval_seed": 0}.items():
+    """The flags both trainers share, checked before anything loads; a trainer's own checks run at
+    their place among them: `check_algorithm_args(args)`, then the trained timesteps against
+    `train_timestep_grid(grid, args)`."""
+    for flag, least in SMALLEST.items():
         if getattr(args, flag) < least:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
     check_numbers(args, {"learning_rate": (">", 0), "adam_eps": (">", 0), "weight_decay": (">=", 0),
-                         "max_grad_norm": (">", 0), "adv_clip": (">", 0), "reward_timeout": (">", 0),
-                         "eval_guidance": (">=", 1)})
+                         "max_grad_norm": (">", 0), "adv_clip": (">", 0),
+                         "reward_timeout": (">", 0), "eval_guidance": (">=", 1)})
     if not all(0 <= beta < 1 for beta in args.adam_betas):
-        fail(f"--adam-betas {' '.join(f'{b:g}' for b in args.adam_betas)}: each must lie in [0, 1)")
-    if args.seed >= 2**23:  # image seeds are seed * 2^40 + iteration * 2^20 + image, below 2^63
+        betas = " ".join(f"{b:g}" for b in args.adam_betas)
+        fail(f"--adam-betas {betas}: each must lie in [0, 1)")
+    if args.seed >= 2**23:  # image seeds (image_seed) stay below 2^63
         fail(f"--seed {args.seed}: must be below 2^23 = {2**23}")
     if args.max_sequence_length > 512:
-        fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most 512 tokens")
+        fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most "
+             "512 tokens")
     if args.reward == "vllm" and not args.reward_urls:
         fail("--reward-urls: --reward vllm needs at least one server URL")
     if args.eval_every and args.eval_prompts < 1:
-        fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns validation off)")
+        fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns "
+             "validation off)")
     if args.overwrite and args.resume_from:
         fail("--overwrite with --resume-from: a resume continues the run, it never replaces it")
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: centering needs at least 2 images per prompt")
-    if args.train_batch_size % args.group_size or (args.prompts_per_rank * args.group_size) % args.train_batch_size:
-        fail(f"--train-batch-size {args.train_batch_size} must be a multiple of --group-size {args.group_size} that "
-             f"divides the {args.prompts_per_rank * args.group_size} images per rank: whole prompt groups per micro batch")
+    images = args.prompts_per_rank * args.group_size
+    if args.train_batch_size % args.group_size or images % args.train_batch_size:
+        fail(f"--train-batch-size {args.train_batch_size} must be a multiple of --group-size "
+             f"{args.group_size} that divides the {images} images per rank: whole prompt groups "
+             "per micro batch")
     if args.resolution % 16:
-        fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size 2)")
+        fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size "
+             "2)")
     check_algorithm_args(args)
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
-        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the trained steps of the "
-             f"{args.num_steps}-step rollout grid")
+        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
+             f"trained steps of the {args.num_steps}-step rollout grid")
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
     check_devices(args, "the trainers run")
 
 
 def check_devices(args, runs_on):
-    """--device, --reward-device and --text-encoder-device (empty: the actor's) name a cpu or cuda device this machine
-    has; `runs_on` says who in the error, e.g. "evaluate.py runs"."""
+    """--device, --reward-device and --text-encoder-device (empty: the actor's) name a cpu or cuda
+    device this machine has; `runs_on` says who in the error, e.g. "evaluate.py runs"."""
     for flag in ("device", "reward_device", "text_encoder_device"):
         name = getattr(args, flag)
+        option = f"--{flag.replace('_', '-')}"
         try:
             index = torch.device(name).index if name else None
         except RuntimeError:
-            fail(f"--{flag.replace('_', '-')} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
+            fail(f"{option} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
         if name and torch.device(name).type not in ("cpu", "cuda"):
-            fail(f"--{flag.replace('_', '-')} {name}: {runs_on} on cpu or cuda devices")
+            fail(f"{option} {name}: {runs_on} on cpu or cuda devices")
         if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
-            fail(f"--{flag.replace('_', '-')} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            fail(f"{option} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
-# ---- ranks -----------------------------------------------------------------------------------------------------------
+# ---- ranks -----------------------------------------------------------------------------------
 
 
 def actor_device(name, world_size):
-    """This rank's device from --device; with several ranks (torchrun), it first joins their process group, and a CUDA
-    rank takes cuda:LOCAL_RANK."""
+    """This rank's device from --device; with several ranks (torchrun), it first joins their
+    process group, and a CUDA rank takes cuda:LOCAL_RANK."""
     device = torch.device(name)
     if world_size > 1:
-        # ranks wait for rank 0's validation, and for each other's first compile: minutes, past the 10-minute default
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=60))
+        # ranks wait for rank 0's validation and each other's first compile: past the default 10 min
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=60))
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
     elif device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # named "cuda:0" in summary.json
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda:0" in summary.json
     return device
 
 
@@ -135,9 +161,11 @@ def gather(tensor, world_size):
 
 
 def agreed_stop(signum, nonfinite_streak, max_nonfinite_steps, scorer_failure, device, world_size):
-    """(signal number or 0, what stopped the run or None), the same on every rank: a signal to any rank, too many
-    consecutive non-finite gradients, or a failed scorer stops every rank (a collective: every rank calls it)."""
-    stop = torch.tensor([signum or 0, nonfinite_streak >= max_nonfinite_steps, bool(scorer_failure)], device=device)
+    """(signal number or 0, what stopped the run or None), the same on every rank: a signal to any
+    rank, too many consecutive non-finite gradients, or a failed scorer stops every rank (a
+    collective: every rank calls it)."""
+    diverged = nonfinite_streak >= max_nonfinite_steps
+    stop = torch.tensor([signum or 0, diverged, bool(scorer_failure)], device=device)
     if world_size > 1:
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops every rank
     stop_signal, diverged, failed = stop.tolist()
@@ -151,98 +179,432 @@ def agreed_stop(signum, nonfinite_streak, max_nonfinite_steps, scorer_failure, d
 
 
 def run_exit_code(stop_signal, stopped_by, iterations_done, run_dir):
-    """The run's exit status: 128 + the signal that stopped it (the shell's convention for a process ended by that
-    signal); 1 for any other stop (non-finite gradients, a failed scorer), said in one line on stderr; else 0."""
+    """The run's exit status: 128 + the signal that stopped it (the shell's convention); 1 for any
+    other stop (non-finite gradients, a failed scorer), said in one line on stderr; else 0."""
     if stop_signal:
         return 128 + stop_signal
     if stopped_by:
-        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: stopped after iteration {iterations_done} (the latest "
-              f"checkpoint is in {run_dir})", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: stopped after iteration "
+              f"{iterations_done} (the latest checkpoint is in {run_dir})", file=sys.stderr)
         return 1
     return 0
 
 
 def leave_process_group():
-    """Tear the process group down in step with the other ranks and flush this rank's output: a distributed trainer
-    then ends in os._exit, as gloo's threads now and then abort the interpreter's teardown ("terminate called without
-    an active exception")."""
+    """Tear the process group down in step with the other ranks and flush this rank's output; a
+    distributed trainer then ends in os._exit, as gloo's threads now and then abort the
+    interpreter's teardown ("terminate called without an active exception")."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
 
 
-# ---- compiling -------------------------------------------------------------------------------------------------------
+@contextmanager
+def loading_errors_as_one_line():
+    """A prompt file, model or reward server that cannot be read ends the program with one line."""
+    try:
+        yield
+    except (DataError, OSError, RuntimeError) as error:
+        fail(error)
+
+
+def image_seed(seed, iteration, index):
+    """The seed of image `index` (over all ranks) of an iteration: below 2^63 for seed < 2^23."""
+    return (seed << 40) + (iteration << 20) + index
+
+
+# ---- compiling -------------------------------------------------------------------------------
+
+
+def policy_chunks(rows, args):
+    """Slices of a micro batch's `rows`, one policy forward and backward each."""
+    per_forward = args.train_batch_size * args.policy_timesteps_per_forward
+    return [slice(start, min(start + per_forward, rows)) for start in range(0, rows, per_forward)]
 
 
 def start_precompile(args, compile_cache, device, world_size):
-    """A cold start of one rank compiles in worker processes (precompile.py) while the models load and the first
-    validation runs eagerly: the first compiled call of each graph family as the first iteration makes it. Several
-    ranks, a compile cache to load, or no validation to hide them behind (the first iteration would wait longer for
-    the workers than it takes to compile alone): no workers."""
+    """A cold start of one rank compiles in worker processes (precompile.py) while the models load
+    and the first validation runs eagerly: the first compiled call of each graph family as the first
+    iteration makes it, its rows from the functions the loop's passes use. Several ranks, a compile
+    cache to load, or no first validation to hide them behind: no workers."""
     if not compile_cache.cold or world_size > 1 or not args.eval_every:
         return Precompile([])
-    B, T, b, most = args.prompts_per_rank * args.group_size, args.num_train_timesteps, args.train_batch_size, \
-        args.forward_batch_size
-    rollout_images = images_per_call(B, most)
-    base_rows = images_per_call(B * T, most, args.kl_cfg) * (2 if args.kl_cfg > 1 else 1)  # CFG: two rows an image
+    images = args.prompts_per_rank * args.group_size
+    rows = images * args.num_train_timesteps
+    most = args.forward_batch_size
+    rollout_images = images_per_call(images, most)
+    base_rows = images_per_call(rows, most, args.kl_cfg) * (2 if args.kl_cfg > 1 else 1)
+    policy = policy_chunks(args.train_batch_size * args.num_train_timesteps, args)[0]
     passes = [{"adapter": "sampling", "grad": False, "rows": rollout_images},
               {"adapter": None, "grad": False, "rows": base_rows},
-              {"adapter": "policy", "grad": True, "rows": min(b * args.policy_timesteps_per_forward, T * b)},
+              {"adapter": "policy", "grad": True, "rows": policy.stop - policy.start},
               {"decode": min(rollout_images, 8)}]  # decode_latents' chunks
     return Precompile(passes, args.model, device, torch.bfloat16, (args.lora_rank, args.lora_alpha),
                       args.gradient_checkpointing, args.resolution, 77 + args.max_sequence_length)
 
 
-# ---- scoring and validation ------------------------------------------------------------------------------------------
+class Compiler:
+    """torch.compile of the transformer blocks and the VAE decoder (CUDA, --compile), with its cache
+    file. On a cold start, worker processes compile the graphs while the models load, and compiled
+    code runs eagerly until they are done; the graphs are then found in the on-disk caches."""
+
+    def __init__(self, args, device, world_size):
+        self.cache = CompileCache(args.model, device, args.compile and device.type == "cuda")
+        self.workers = start_precompile(args, self.cache, device, world_size)
+
+    def compile(self, pipe):
+        if self.cache.enabled:
+            compile_blocks(pipe.transformer)
+            compile_decoder(pipe.vae)
+        if self.workers.passes:
+            torch.compiler.set_stance("force_eager")
+
+    def wait(self):
+        """Before the first iteration: wait for the workers, then compile as usual."""
+        self.workers.wait()
+        if self.workers.passes:
+            torch.compiler.set_stance("default")
+
+    def save(self):
+        """The cache file, once: after the first iteration every graph has compiled."""
+        self.cache.save()
 
 
-def timed(fn, *args):
-    """fn(*args) and the seconds it took."""
-    started = time.perf_counter()
-    return fn(*args), time.perf_counter() - started
+# ---- one iteration ---------------------------------------------------------------------------
 
 
-def collect(futures):
-    """Scores (N,) and the N transcriptions from the futures of a scorer's chunks, in order."""
-    chunks = [future.result() for future in futures]
-    return np.concatenate([chunk[0] for chunk in chunks]), [text for chunk in chunks for text in chunk[1]]
+@dataclass
+class TrainingRows:
+    """Training rows of an iteration, one image at one timestep each: x_t, t, the velocity target
+    and the index of the row's image (for its prompt embeddings and advantage)."""
+
+    noisy: torch.Tensor  # (N, C, h, w)
+    timesteps: torch.Tensor  # (N,)
+    target: torch.Tensor  # (N, C, h, w)
+    image_index: torch.Tensor  # (N,)
+
+    def __len__(self):
+        return len(self.timesteps)
+
+    def policy_chunks(self, args):
+        """Slices of these rows, one policy forward and backward each."""
+        return policy_chunks(len(self), args)
+
+    def __getitem__(self, rows):
+        return TrainingRows(self.noisy[rows], self.timesteps[rows], self.target[rows],
+                            self.image_index[rows])
+
+    def velocity(self, transformer, embeds, pooled, args=None, guidance=1.0, negative=(None, None),
+                 wait=True):
+        """The active adapter's velocity at these rows; with args: in no-grad forwards of at most
+        --forward-batch-size images, the host waiting on each (`wait`) so a scorer thread runs."""
+        return predict_velocity(transformer, self.noisy, self.timesteps, embeds[self.image_index],
+                                pooled[self.image_index], guidance, *negative,
+                                max_batch_size=args.forward_batch_size if args else None,
+                                wait_each_chunk=wait and args is not None)
 
 
-def validate(pipe, eval_set, args, scorer, judge, scoring, judging, negative, autocast, writer, iteration):
-    """Validation at `iteration`: the sampling adapter renders every prompt of eval_set (image i from seed
-    eval_seed + i) at --eval-guidance; scorer (and judge, if any) read each chunk of images in their executors
-    (scoring, judging) while the next one samples. Logs the rewards, a captioned grid, the transcriptions and the time
-    it took; returns the summary's entry [iteration, reward mean, judge mean or None]."""
-    started = time.perf_counter()
-    prompts, targets = [r["prompt"] for r in eval_set], [r["target"] for r in eval_set]
-    embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
-    scored, judged = [], []  # futures of (scores, texts)
+class PhaseTimer:
+    """Seconds of an iteration by phase: lap(name) charges the time since the last lap to `name`,
+    after the device has finished the work queued so far."""
 
-    def score_chunk(rows, chunk):  # the scorers read each chunk of images while the next one samples
-        scored.append(scoring.submit(scorer, chunk, targets[rows]))
-        if judge:
-            judged.append(judging.submit(judge, chunk, targets[rows]))
+    def __init__(self, device):
+        self.device = device
+        self.seconds = {}
+        self.last = time.perf_counter()
 
-    with use_adapter(pipe.transformer, "sampling"), autocast:
-        images = sample(pipe, embeds, pooled, [args.eval_seed + i for i in range(len(prompts))], args.eval_steps,
-                        args.eval_guidance, args.resolution, args.resolution, args.forward_batch_size,
-                        negative_embeds=negative[0], negative_pooled=negative[1], progress=True,
-                        on_decoded=score_chunk)["images"]  # (N, H, W, 3) uint8
-    scores, texts = collect(scored)
-    writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
-    captions = [f"{s:.2f} {t}" for s, t in zip(scores, targets)]
-    transcriptions = [f"{t} -> {x!r}" for t, x in zip(targets, texts)]
-    judge_mean = None
-    if judge:  # what the judge adds to a validation: the wait for the part of it not hidden behind the sampling
-        waited = time.perf_counter()
-        judge_scores, judge_texts = collect(judged)
-        writer.add_scalar("perf/eval_judge_wait_s", time.perf_counter() - waited, iteration)
-        judge_mean = float(np.mean(judge_scores))
-        writer.add_scalar(f"eval/reward_{args.eval_judge}", judge_mean, iteration)
-        captions = [f"{s:.2f} ({args.eval_judge} {j:.2f}) {t}" for s, j, t in zip(scores, judge_scores, targets)]
-        transcriptions = [f"{line} ({args.eval_judge}: {x!r})" for line, x in zip(transcriptions, judge_texts)]
-    writer.add_image("eval/images", captioned_grid(images[:16], captions[:16]), iteration, dataformats="HWC")
-    writer.add_text("eval/transcriptions", "\n\n".join(transcriptions), iteration)
-    writer.add_scalar("perf/eval_s", time.perf_counter() - started, iteration)
-    return [iteration, float(np.mean(scores)), judge_mean]
+    def lap(self, name):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def perf(self, images, reward_s):
+        """perf/* scalars: each phase, the scorer's own time, the iteration, images per second."""
+        iteration_s = sum(self.seconds.values())
+        perf = {**self.seconds, "reward_s": reward_s, "iteration_s": iteration_s,
+                "images_per_s": images / iteration_s}
+        return {f"perf/{name}": value for name, value in perf.items()}
+
+
+class GuardedStep:
+    """The optimizer step of a micro batch: gradients averaged over ranks and clipped; a non-finite
+    gradient norm skips the step (counted and printed; the run stops after --max-nonfinite-steps in
+    a row). Gradients are zeroed either way."""
+
+    def __init__(self, optimizer, params, args, world_size):
+        self.optimizer = optimizer
+        self.params = params
+        self.args = args
+        self.world_size = world_size
+        self.nonfinite_streak = 0
+        self.iteration = None
+        self.grad_norms = []
+        self.skipped = 0
+
+    def __call__(self, iteration):
+        """Step (True) or skip (False) micro batch's step of `iteration` (0-based)."""
+        if iteration != self.iteration:
+            self.iteration = iteration
+            self.grad_norms = []
+            self.skipped = 0
+        all_mean_([p.grad for p in self.params], self.world_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.args.max_grad_norm)
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.nonfinite_streak = 0
+        else:
+            self.nonfinite_streak += 1
+            self.skipped += 1
+            print(f"iteration {iteration + 1}: non-finite gradient, optimizer step skipped",
+                  flush=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.grad_norms.append(grad_norm)
+        return finite
+
+    @property
+    def stepped_this_iteration(self):
+        return self.skipped < len(self.grad_norms)
+
+    def stats(self):
+        return {"charts/lr": self.optimizer.param_groups[0]["lr"],
+                "charts/grad_norm": torch.stack(self.grad_norms).mean(),
+                "charts/skipped_steps": self.skipped}
+
+
+def reward_stats(rewards, group_size):
+    groups = rewards.view(-1, group_size)
+    return {"train/reward_mean": rewards.mean(), "train/reward_std": rewards.std(unbiased=False),
+            "train/zero_std_group_frac": (groups.std(1) == 0).float().mean()}
+
+
+def training_scorer(args, device, batch_size):
+    """--reward in a thread of its own; a failure gives NaN scores (GuardedScorer), which stop the
+    run on every rank before it trains on them."""
+    return ScoringThread(GuardedScorer(make_scorer(
+        args.reward, device=args.reward_device or str(device), urls=args.reward_urls,
+        model_path=args.reward_model, batch_size=batch_size, timeout=args.reward_timeout,
+        max_retries=args.reward_retries)))
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+class Validation:
+    """The held-out prompts rendered by the sampling adapter (image i from seed eval_seed + i) at
+    --eval-guidance, on the main process; the scorer (and --eval-judge on the CPU) read each chunk
+    of images while the next one samples. Logs the rewards, a captioned grid, the transcriptions
+    and the time it took."""
+
+    def __init__(self, pipe, eval_set, args, scorer, negative, run):
+        self.pipe = pipe
+        self.args = args
+        self.scorer = scorer
+        self.negative = negative
+        self.run = run
+        self.prompts = [r["prompt"] for r in eval_set]
+        self.targets = [r["target"] for r in eval_set]
+        self.judge = None
+        if run.main_process and args.eval_every and args.eval_judge not in ("none", args.reward):
+            self.judge = ScoringThread(make_scorer(args.eval_judge))
+
+    def due(self, iteration):
+        """Whether this process validates after `iteration` iterations (0: before training)."""
+        every = self.args.eval_every
+        last = iteration == self.args.num_iterations
+        return bool(self.run.main_process and every and (iteration % every == 0 or last))
+
+    def __call__(self, iteration):
+        """Validate; returns the summary's entry [iteration, reward mean, judge mean or None]."""
+        args = self.args
+        writer = self.run.writer
+        started = time.perf_counter()
+        embeds, pooled = encode_prompts(self.pipe, self.prompts, args.max_sequence_length)
+        seeds = [args.eval_seed + i for i in range(len(self.prompts))]
+        with use_adapter(self.pipe.transformer, "sampling"), self.run.autocast:
+            images = sample(self.pipe, embeds, pooled, seeds, args.eval_steps, args.eval_guidance,
+                            args.resolution, args.resolution, args.forward_batch_size,
+                            negative_embeds=self.negative[0], negative_pooled=self.negative[1],
+                            progress=True, on_decoded=self.score_chunk)["images"]
+        scores, texts = self.scorer.take()
+        writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
+        captions = [f"{s:.2f} {t}" for s, t in zip(scores, self.targets)]
+        transcriptions = [f"{t} -> {x!r}" for t, x in zip(self.targets, texts)]
+        judge_mean = None
+        if self.judge:  # the judge adds the wait for the part of it not hidden behind the sampling
+            waited = time.perf_counter()
+            judge_scores, judge_texts = self.judge.take()
+            writer.add_scalar("perf/eval_judge_wait_s", time.perf_counter() - waited, iteration)
+            judge_mean = float(np.mean(judge_scores))
+            name = args.eval_judge
+            writer.add_scalar(f"eval/reward_{name}", judge_mean, iteration)
+            captions = [f"{s:.2f} ({name} {j:.2f}) {t}"
+                        for s, j, t in zip(scores, judge_scores, self.targets)]
+            transcriptions = [f"{line} ({name}: {x!r})"
+                              for line, x in zip(transcriptions, judge_texts)]
+        grid = captioned_grid(images[:16], captions[:16])
+        writer.add_image("eval/images", grid, iteration, dataformats="HWC")
+        writer.add_text("eval/transcriptions", "\n\n".join(transcriptions), iteration)
+        writer.add_scalar("perf/eval_s", time.perf_counter() - started, iteration)
+        return [iteration, float(np.mean(scores)), judge_mean]
+
+    def score_chunk(self, rows, images):
+        self.scorer.submit(images, self.targets[rows])
+        if self.judge:
+            self.judge.submit(images, self.targets[rows])
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+class Run:
+    """One start of a training run on this rank: the ranks and device, the run directory (locked by
+    the main process), stop signals, the state that checkpoints hold, TensorBoard and the progress
+    bar, the stop that every rank agrees on, checkpoints, summary.json and the exit status."""
+
+    def __init__(self, args, algorithm):
+        self.args = args
+        self.algorithm = algorithm
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        self.main_process = self.rank == 0
+        try:
+            self.dir, self.lock = prepare_run(args, algorithm, self.world_size, self.main_process)
+        except RunError as error:
+            fail(error)
+        self.signals = GracefulStop()  # on every rank, before the models load
+        self.device = actor_device(args.device, self.world_size)  # several ranks: joins their group
+        cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
+        torch.manual_seed(args.seed)  # the LoRA init; rollouts and training seed their own noise
+        self.writer = None
+        self.bar = None
+        self.stop_signal = 0
+        self.stopped_by = None
+
+    def read_inputs(self):
+        """(train prompts, eval prompts), the model paths checked; --dry-run exits here."""
+        args = self.args
+        train_set, eval_set = load_train_and_eval_prompts(args, self.world_size, self.main_process)
+        self.prompt_sha256 = prompt_files_sha256(vars(args))  # as read: a later edit is refused
+        self.train_set = train_set
+        self.eval_set = eval_set
+        check_model_path(args.model)
+        if args.reward == "qwen-vl":
+            check_reward_model(args.reward_model)
+        if args.dry_run:  # how run.sh checks a run before it starts a reward server
+            print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval "
+                  "prompts")
+            sys.exit(0)
+        return train_set, eval_set
+
+    def start(self, transformer, optimizer, sampler, pipe):
+        """The run's state: a new run's, or --resume-from's (adapters, optimizer and sampler
+        restored too); opens TensorBoard on the main process."""
+        args = self.args
+        try:
+            state = start_state(args, transformer, optimizer, sampler, self.device, self.world_size,
+                                self.algorithm, self.prompt_sha256)
+        except RunError as error:
+            fail(error)
+        if self.main_process:
+            purge = state["iteration"] + 1 if state["iteration"] else None
+            self.writer = SummaryWriter(self.dir, purge_step=purge)
+            table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+            images = args.prompts_per_rank * args.group_size
+            print(f"run {self.dir}: {self.world_size} rank(s) x {args.prompts_per_rank} prompts x "
+                  f"{args.group_size} images = {self.world_size * images} images per iteration, "
+                  f"{images // args.train_batch_size} optimizer step(s) per rank, "
+                  f"T={args.num_train_timesteps}; {len(self.train_set)} train prompts, "
+                  f"{len(self.eval_set)} eval prompts")
+            warn_cut_targets(self.train_set + self.eval_set, pipe, args.max_sequence_length)
+        self.state = state
+        return state
+
+    def iterations(self, state, compiler):
+        """The iterations left (a progress bar on the main process); the compile workers are waited
+        for before the first, and the compile cache saved after it."""
+        compiler.wait()
+        remaining = range(state["iteration"], self.args.num_iterations)
+        self.bar = tqdm(remaining, initial=state["iteration"], total=self.args.num_iterations,
+                        disable=not self.main_process, desc="iterations")
+        for done, iteration in enumerate(self.bar):
+            yield iteration
+            if done == 0:
+                compiler.save()
+
+    def timer(self):
+        return PhaseTimer(self.device)
+
+    def gather(self, tensor):
+        """(N, ...) on each rank -> (world_size * N, ...), rank-major, on every rank."""
+        return gather(tensor, self.world_size)
+
+    def average(self, tensors):
+        """Average tensors in place over the ranks."""
+        all_mean_(tensors, self.world_size)
+
+    def reward_failed(self, rewards, scorer):
+        """A NaN reward, on any rank: its scorer failed, and every rank stops before training."""
+        if not rewards.isnan().any():
+            return False
+        self.stopped_by = scorer.failure or "the reward failed on another rank"
+        return True
+
+    def end_iteration(self, iterations, sampler, rewards, logged):
+        """The state after `iterations` iterations (a resume from here draws what follows), and the
+        scalars `logged` with the rewards' in TensorBoard and the progress bar."""
+        self.state.update(iteration=iterations, sampler=sampler.state_dict())
+        self.state["iteration_s"].append(logged["perf/iteration_s"])
+        if not self.main_process:
+            return
+        logged = {**reward_stats(rewards, self.args.group_size), **logged}
+        for tag, value in logged.items():
+            self.writer.add_scalar(tag, float(value), iterations)
+        self.bar.set_postfix(reward=f"{float(logged['train/reward_mean']):.3f}",
+                             loss=f"{float(logged['losses/loss']):.4f}",
+                             s=f"{logged['perf/iteration_s']:.1f}")
+
+    def agreed_stop(self, iterations, optimizer_step, scorer):
+        """Whether every rank stops now: a signal to any rank, too many non-finite gradients in a
+        row, or a failed scorer (a collective). Records the peak memory of every rank first."""
+        peaks = actor_peak_memory(self.device, self.world_size)  # after validation: it may peak
+        state_peaks = self.state["peak_mem_gib"]
+        self.state["peak_mem_gib"] = {k: max(v, state_peaks.get(k, 0.0)) for k, v in peaks.items()}
+        self.stop_signal, self.stopped_by = agreed_stop(
+            self.signals.signum, optimizer_step.nonfinite_streak, self.args.max_nonfinite_steps,
+            scorer.failure, self.device, self.world_size)  # the scorer may fail in validation
+        if self.main_process:
+            self.writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iterations)
+        return bool(self.stopped_by)
+
+    def save_if_due(self, transformer, optimizer):
+        """A checkpoint every --save-every iterations and at the end (main process)."""
+        iterations = self.state["iteration"]
+        due = iterations % self.args.save_every == 0 or iterations == self.args.num_iterations
+        if self.main_process and due:
+            save_last_iteration(self.dir, self.state, transformer, optimizer, self.args.keep_last)
+
+    def finish(self, state, transformer, optimizer, images_per_rank):
+        """A stopped run keeps its last completed iteration; summary.json; exit with the status."""
+        args = self.args
+        if self.main_process and self.stopped_by and state["iteration"]:
+            save_last_iteration(self.dir, state, transformer, optimizer, args.keep_last)
+        if self.main_process:
+            roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
+            summary = write_summary(self.dir, state, args, self.algorithm, self.world_size,
+                                    self.world_size * images_per_rank, self.stopped_by,
+                                    other_gpus_memory(self.device, roles))
+            self.writer.close()
+            print(json.dumps(summary, indent=1))
+        exit_code = run_exit_code(self.stop_signal, self.stopped_by, state["iteration"], self.dir)
+        if self.world_size > 1:
+            leave_process_group()
+            os._exit(exit_code)  # skips the interpreter's teardown, where gloo's threads may abort
+        if exit_code:
+            sys.exit(exit_code)

@@ -1,45 +1,35 @@
-"""DGPO: Direct Group Preference Optimization for text rendering with Stable Diffusion 3.5 Medium and LoRA.
+"""DGPO: Direct Group Preference Optimization for text rendering with SD3.5 Medium and LoRA.
 
-The matched baseline of crd.py (Luo et al., arXiv 2510.08425): the same prompts, reward, rollouts, batch,
-timesteps and budget; only the loss and the EMA schedule of the snapshot adapters differ (`diff crd.py dgpo.py`).
-The defaults are the authors' recipe for CFG-free rollouts; their timestep window (t >= shift(0.3)) is an option.
-1. A Bradley-Terry preference between the positive (A > 0) and negative (A <= 0) halves of a prompt group, with
-   Diffusion-DPO implicit rewards from flow-matching errors against the frozen base model at CFG 4.5 (the reference
-   of CRD's KL anchor); weighting each image by its advantage cancels the intractable log Z(c) across the halves.
-2. One shared noise per group and timestep; the group's preference weight sigmoid(s_g) is detached, giving the
+The matched baseline of crd.py (Luo et al., arXiv 2510.08425): the same prompts, reward, rollouts,
+batch, timesteps and budget; only the loss and the snapshot schedule differ (`diff crd.py dgpo.py`).
+The defaults are the authors' recipe for CFG-free rollouts; their timestep window is an option.
+1. A Bradley-Terry preference between the positive (A > 0) and negative (A <= 0) halves of a prompt
+   group, with Diffusion-DPO implicit rewards from flow-matching errors against the frozen base
+   model at CFG 4.5; weighting each image by its advantage cancels the intractable log Z(c).
+2. One shared noise per group and timestep; the detached group weight sigmoid(s_g) gives the
    gradient of -log sigmoid(-beta' sum_i A_i (d_i - d_ref_i)) in an all-reduce-friendly form.
-3. A PPO-style clip against the old adapter (an EMA updated after every optimizer step) and a velocity MSE to the
-   base model; rollouts use the policy until step 200, then the old adapter.
+3. A PPO-style clip against the old adapter (an EMA updated after every optimizer step) and a
+   velocity MSE to the base model; rollouts use the policy until step 200, then the old adapter.
 
     python dgpo.py --group-size 6       # the DGPO baseline of the recipe
     bash run.sh dgpo                    # with the recipe's GPU layout (README)
     tensorboard --logdir runs
 """
 
-import json
-import os
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 import tyro
-from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
+from einops import rearrange
 
-from checkpoint import (GracefulStop, RunError, actor_peak_memory, other_gpus_memory, prepare_run, prompt_files_sha256,
-                        save_last_iteration, start_state, write_summary)
-from common import (actor_device, agreed_stop, all_mean_, check_numbers, check_shared_args, fail, gather,
-                    leave_process_group, run_exit_code, start_precompile, timed, validate)
-from data import DataError, GroupSampler, load_train_and_eval_prompts
-from reward import GuardedScorer, check_reward_model, make_scorer
-from rollout import (CompileCache, add_lora_adapters, check_model_path, compile_blocks, compile_decoder, ema_update_,
-                     encode_prompts, load_pipeline, lora_parameters, negative_embeddings, predict_velocity,
-                     resolution_error, sample, use_adapter, warn_cut_targets)
+from common import (Compiler, GuardedStep, Run, TrainingRows, Validation, check_numbers,
+                    check_shared_args, fail, image_seed, loading_errors_as_one_line,
+                    training_scorer)
+from data import GroupSampler
+from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
+                     negative_embeddings, sample, use_adapter)
 
 
 @dataclass
@@ -56,15 +46,15 @@ class Args:
     run_name: str = ""
     """run directory name; empty: {exp_name}__{reward}__{seed}__{unix time}"""
     overwrite: bool = False
-    """replace the run already in the run directory (else a directory holding a run is refused, unless resumed)"""
+    """replace a run already in the run directory (else it is refused, unless resumed)"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """actor device; under torchrun each rank takes cuda:LOCAL_RANK"""
     dry_run: bool = False
-    """check the arguments, the prompt files and a local --model directory, then exit without loading any model"""
+    """check the arguments, prompt files and a local --model directory, then exit"""
 
     # Model, data and rollout
     model: str = "stabilityai/stable-diffusion-3.5-medium"
-    """hub id or local directory of SD3.5, `tiny` (random tiny SD3, CPU demo) or `random-sd3.5-medium` (random full-size)"""
+    """hub id or local directory of SD3.5, `tiny` (CPU demo) or `random-sd3.5-medium`"""
     train_data: str = "data/ocr/train.jsonl"
     """training prompts (.jsonl from data.py, or Flow-GRPO's raw .txt)"""
     eval_data: str = "data/ocr/test.jsonl"
@@ -80,33 +70,33 @@ class Args:
     max_sequence_length: int = 256
     """T5 prompt tokens"""
     text_encoder_device: str = ""
-    """device of the CLIP and T5 text encoders; empty: the actor device. A reward GPU takes their 10 GiB off the actor"""
+    """device of the CLIP and T5 text encoders (empty: the actor device)"""
     lora_rank: int = 32
     """LoRA rank"""
     lora_alpha: int = 64
     """LoRA alpha"""
     forward_batch_size: int = 48
-    """most images in one no-grad transformer forward (rollout, validation, old and reference passes; 0: all)"""
+    """most images in one no-grad transformer forward (0: all)"""
     policy_timesteps_per_forward: int = 3
     """timesteps of a micro batch in one policy forward and backward (more: faster, more memory)"""
     gradient_checkpointing: bool = False
-    """recompute each block's activations in the policy backward: the recipe fits 40 GiB (30, not 52), 16% slower"""
+    """recompute each block's activations in the policy backward (less memory, slower)"""
     compile: bool = True
-    """torch.compile the transformer blocks on CUDA: 2x faster forwards after 3-4 minutes of compiling (CPU: eager)"""
+    """torch.compile the transformer blocks and the VAE decoder on CUDA"""
 
     # Reward
     reward: str = "qwen-vl"
-    """scorer: qwen-vl (in process), vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility (cheap checks)"""
+    """scorer: qwen-vl, vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility"""
     reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
     """hub id or local directory of the OCR model (qwen-vl, vllm)"""
     reward_device: str = ""
-    """device of the in-process reward model; empty: the actor device"""
+    """device of the in-process reward model (empty: the actor device)"""
     reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """base URLs of `vllm serve` reward servers (reward vllm)"""
     reward_timeout: float = 60.0
-    """seconds a reward server may take to answer one request: the check at start, or one image (reward vllm)"""
+    """seconds a reward server may take to answer one request (reward vllm)"""
     reward_retries: int = 3
-    """attempts after the first for an image whose request failed or timed out, with backoff (reward vllm)"""
+    """retries, with backoff, of an image whose request failed (reward vllm)"""
 
     # Optimisation
     num_iterations: int = 100
@@ -126,7 +116,7 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     max_nonfinite_steps: int = 3
-    """stop (with a checkpoint) after this many consecutive non-finite gradients; each one skips its step"""
+    """stop, with a checkpoint, after this many non-finite gradients in a row (each skips a step)"""
     global_std: bool = True
     """normalise advantages by the std over all images of the iteration (else per group)"""
     adv_clip: float = 5.0
@@ -140,95 +130,90 @@ class Args:
     eval_steps: int = 40
     """validation ODE steps"""
     eval_guidance: float = 4.5
-    """validation CFG scale (negative prompt ""): the recipe's 4.5. The anchors validate their CFG-free policies at 1
-    (Flow-Factory examples/crd/lora/sd3_5/default.yaml:109; DGPO scripts/train_sd3_dgpo.py:427 with
-    config/dgpo_wocfg.py:101); 4.5 guides a policy that learned guidance a second time"""
+    """validation CFG scale (negative prompt "")"""
     eval_seed: int = 0
     """image i of validation always uses seed eval_seed + i"""
     eval_judge: Literal["paddle", "brightness", "compressibility", "none"] = "paddle"
-    """a second scorer of the validation images on the CPU, beside --reward (which the policy learns to please):
-    paddle (PP-OCR, logged as eval/reward_paddle), a cheap check, or none; skipped when it is --reward"""
+    """a second scorer of the validation images on the CPU, beside --reward (none: off)"""
     save_every: int = 10
     """checkpoint every N iterations and at the end"""
     keep_last: int = 2
     """latest checkpoints kept (0: keep all)"""
     resume_from: str = ""
-    """continue a run from its runs/.../global_step_N directory; settings that define the run must stay the same"""
+    """continue a global_step_N checkpoint, or `latest` of --run-name (none yet: start it anew)"""
 
-    # Algorithm: DGPO
-    # Official DGPO's OCR recipe for CFG-free rollouts (config/dgpo_wocfg.py): README, "Choices where the sources differ"
+    # Algorithm: DGPO (official DGPO's recipe for CFG-free rollouts)
     beta_dpo: float = 100.0
     """beta of the group preference sigmoid(beta / |g| sum_g A_i (d_i - d_ref_i))"""
     clip_range: float = 1e-3
-    """the error of an image stops training once its ratio to the old adapter leaves [1 - clip, 1 + clip]"""
+    """an image's error stops training once its ratio to the old adapter leaves 1 +- clip_range"""
     ref_kl_coef: float = 0.02
     """weight of the velocity MSE to the base model"""
     kl_cfg: float = 4.5
-    """CFG scale (negative prompt "") of the base model in the reference error and the MSE; 1: conditional only
-    (the older setting: --kl-cfg 1 --clip-range 0.01)"""
+    """CFG scale of the base model in the reference error and the MSE (1: conditional only)"""
     shared_group_noise: bool = True
     """use one training noise per group and timestep (else one per image)"""
     old_decay: tuple[float, float] = (0.001, 0.3)
-    """EMA of the old adapter after each optimizer step: decay = min(slope * k, max), as (slope, max), k = the
-    optimizer steps taken before this one"""
+    """EMA of the old adapter after each optimizer step: min(slope * k, max) at k steps before it"""
     switch_to_old_step: int = 200
-    """rollouts and validation use the policy until this many optimizer steps are taken, then the old adapter"""
+    """rollouts and validation use the policy until this many optimizer steps, then old"""
     timestep_window: int = 0
-    """train only the first N (noisiest) steps of the rollout grid (0: all but the last, CRD's timesteps); official:
-    7 (trunc_steps 6, t >= shift(0.3) on the 10-step grid) with --num-train-timesteps 4"""
+    """train only the first N (noisiest) steps of the rollout grid (0: all but the last)"""
 
 
 # ALGO LOGIC: the loss of one training timestep
-def dgpo_loss(v_theta, v_old, v_ref, target, advantages, group_size, beta_dpo=100.0, clip_range=1e-3, ref_kl_coef=0.02):
-    """DGPO loss for whole prompt groups at one timestep (SPEC §5): the gradient-equivalent form of
-    -log sigmoid(-beta' sum_g A_i (d_i - d_ref_i)) with beta' = beta_dpo / |g|, plus a velocity MSE to the base.
+def dgpo_loss(v_theta, v_old, v_ref, target, advantages, group_size, beta_dpo=100.0,
+              clip_range=1e-3, ref_kl_coef=0.02):
+    """DGPO loss of whole prompt groups (contiguous rows) at their training timesteps.
 
-    v_theta (B,C,H,W) policy velocity (with grad); v_old, v_ref (B,C,H,W) old adapter and base velocities;
-    target (B,C,H,W) flow-matching velocity noise - x0; advantages (B,) clipped; groups are contiguous.
-        d_i = mean (u - v_theta)^2;  rho_i = exp(d_old_i - d_i);  d_i is detached where A_i > 0 and rho_i > 1 + eps
-        or A_i <= 0 and rho_i < 1 - eps;  s_g = sg(beta_dpo / |g| sum_g A_i (d_i - d_ref_i))
+    v_theta (B,C,H,W): policy velocity, with grad; v_old, v_ref: old adapter and base;
+    target: the flow-matching velocity noise - x0; advantages (B,) clipped.
+        d_i = mean (u - v_theta)^2, detached where rho_i = exp(d_old_i - d_i) leaves 1 +- eps
+        on the side of A_i;  s_g = sg(beta_dpo / |g| sum_g A_i (d_i - d_ref_i))
         L = mean_i sigmoid(s_g) A_i d_i + ref_kl_coef mean_i mean (v_theta - v_ref)^2
     """
     dims = tuple(range(1, v_theta.ndim))
-    advantages, target = advantages.float(), target.float()
+    advantages = advantages.float()
+    target = target.float()
     error = (target - v_theta.float()).square().mean(dims)  # (B,)
     ref_error = (target - v_ref.float()).square().mean(dims)
     ratio = torch.exp((target - v_old.float()).square().mean(dims) - error.detach())
-    clipped = ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages <= 0) & (ratio < 1 - clip_range))
-    group_score = (beta_dpo / group_size) * (advantages * (error - ref_error)).detach().view(-1, group_size).sum(1)
+    clipped = (((advantages > 0) & (ratio > 1 + clip_range))
+               | ((advantages <= 0) & (ratio < 1 - clip_range)))
+    scores = rearrange((advantages * (error - ref_error)).detach(), "(g i) -> g i", i=group_size)
+    group_score = (beta_dpo / group_size) * scores.sum(1)
     weight = torch.sigmoid(group_score).repeat_interleave(group_size)  # (B,)
     policy_loss = (weight * advantages * torch.where(clipped, error.detach(), error)).mean()
     kl = (v_theta.float() - v_ref.float()).square().mean(dims)  # (B,)
     kl_loss = ref_kl_coef * kl.mean()
-    info = {"policy_loss": policy_loss, "kl_loss": kl_loss, "kl": kl.mean(), "clip_frac": clipped.float().mean()}
+    info = {"policy_loss": policy_loss, "kl_loss": kl_loss, "kl": kl.mean(),
+            "clip_frac": clipped.float().mean()}
     return policy_loss + kl_loss, {k: v.detach() for k, v in info.items()}
 
 
 def ema_decay(step, slope, maximum):
-    """decay(step) = min(slope * step, maximum)."""
+    """min(slope * step, maximum)."""
     return min(slope * step, maximum)
 
 
-SNAPSHOT_EVENT = "optimizer_step"  # the old adapter moves after each step: only the first old pass is early
+SNAPSHOTS_EVERY_STEP = True  # DGPO's old adapter moves after each optimizer step
 
 
-def update_snapshots(transformer, args, event, iterations, steps):
-    """DGPO: after every optimizer step the old adapter moves toward the policy, its decay read off the steps taken
-    before this one (official train_sd3_dgpo.py:1176 uses global_step before its increment at :1210); the sampling
-    adapter holds a copy of the policy until more than `switch_to_old_step` steps are taken (:799), then of the old
-    adapter."""
-    if event != SNAPSHOT_EVENT:
-        return {}
+def update_snapshots(transformer, args, iterations, steps):
+    """The old adapter moves toward the policy, its decay read off the steps taken before this one;
+    the sampling adapter holds a copy of the policy until more than `switch_to_old_step` steps are
+    taken, then of the old adapter."""
     decays = {"old": ema_decay(steps - 1, *args.old_decay), "sampling": 0.0}
     ema_update_(transformer, "old", "policy", decays["old"])
-    ema_update_(transformer, "sampling", "old" if steps > args.switch_to_old_step else "policy", 0.0)
+    source = "old" if steps > args.switch_to_old_step else "policy"
+    ema_update_(transformer, "sampling", source, 0.0)
     return decays
 
 
 def check_algorithm_args(args):
-    """A DGPO setting out of its range, or an EMA schedule whose decay could leave [0, 1], is named before anything
-    loads."""
-    check_numbers(args, {"beta_dpo": (">", 0), "clip_range": (">=", 0), "ref_kl_coef": (">=", 0), "kl_cfg": (">=", 1)})
+    """A DGPO setting out of range, or an EMA schedule that could leave [0, 1], as one line."""
+    check_numbers(args, {"beta_dpo": (">", 0), "clip_range": (">=", 0), "ref_kl_coef": (">=", 0),
+                         "kl_cfg": (">=", 1)})
     slope, maximum = args.old_decay
     if slope < 0 or not 0 <= maximum <= 1:
         fail(f"--old-decay {slope:g} {maximum:g}: needs a slope >= 0 and a max decay in [0, 1]")
@@ -237,242 +222,161 @@ def check_algorithm_args(args):
 
 
 def train_timestep_grid(grid, args):
-    """The steps of the rollout grid that training draws from: all but the last, near-zero one (CRD's), or the first
-    `timestep_window` (official: the first trunc_steps + 1, train_sd3_dgpo.py:1063)."""
+    """The steps of the rollout grid that training draws from: all but the last, near-zero one, or
+    the first `timestep_window`."""
     if not 0 <= args.timestep_window <= len(grid):
         fail(f"--timestep-window {args.timestep_window} must lie in [0, --num-steps = {len(grid)}]")
     return grid[: args.timestep_window] if args.timestep_window else grid[:-1]
 
 
 def group_advantages(rewards, group_size, global_std=True, clip=5.0):
-    """A_i = (r_i - mean_group r) / (std + 1e-4), clipped to +-clip; std over every reward given, or per group."""
-    groups = rewards.view(-1, group_size)
+    """(r_i - mean_group r) / (std + 1e-4), clipped to +-clip; std over all rewards or per group."""
+    groups = rearrange(rewards, "(g i) -> g i", i=group_size)
     std = rewards.std(unbiased=False) if global_std else groups.std(1, unbiased=False, keepdim=True)
     return ((groups - groups.mean(1, keepdim=True)) / (std + 1e-4)).clamp(-clip, clip).flatten()
 
 
 def micro_batch_rows(per_image, micro_batch):
-    """(T, B, ...) -> (B*T, ...): micro batches of T * micro_batch rows, each timestep-major, so that row
-    (m*T + k) * micro_batch + j holds image m * micro_batch + j at its k-th timestep."""
-    return per_image.unflatten(1, (-1, micro_batch)).transpose(0, 1).flatten(0, 2)
+    """(T, B, ...) -> (B*T, ...): micro batches of T * micro_batch rows, each timestep-major."""
+    return rearrange(per_image, "t (m j) ... -> (m t j) ...", j=micro_batch)
+
+
+def training_rows(x0, grid, args, iteration, rank):
+    """Each group's T training timesteps (drawn from the grid in random order) and noise, seeded by
+    the group's global index so that any world size agrees, as micro-batch rows."""
+    G = args.group_size
+    T = args.num_train_timesteps
+    generator = torch.Generator(x0.device)
+    timesteps = []
+    noise = []
+    for group_start in range(0, len(x0), G):
+        generator.manual_seed(image_seed(args.seed, iteration, rank * len(x0) + group_start))
+        order = torch.randperm(len(grid), generator=generator, device=x0.device)
+        timesteps.append(grid[order[:T]])  # (T,)
+        shape = (T, 1 if args.shared_group_noise else G, *x0.shape[1:])
+        group_noise = torch.randn(shape, generator=generator, device=x0.device)
+        noise.append(group_noise.expand(T, G, -1, -1, -1))
+    micro_batch = args.train_batch_size
+    timesteps = torch.stack(timesteps, 1).repeat_interleave(G, 1)  # (T, B)
+    timesteps = micro_batch_rows(timesteps, micro_batch)  # (B*T,)
+    noise = micro_batch_rows(torch.cat(noise, 1), micro_batch)  # (B*T, C, h, w)
+    image_index = torch.arange(len(x0), device=x0.device).expand(T, -1)
+    image_index = micro_batch_rows(image_index, micro_batch)
+    x0 = x0[image_index]
+    sigma = (timesteps / 1000).view(-1, 1, 1, 1)
+    noisy = (1 - sigma) * x0 + sigma * noise  # x_t on the flow-matching path
+    return TrainingRows(noisy, timesteps, noise - x0, image_index)  # target: the velocity
 
 
 def check_args(args):
-    """Every flag before anything loads, each bad one as one line: the flags both trainers share (common.py), with
-    this algorithm's checks and its trained timesteps at their place among them."""
+    """Every flag before anything loads, each bad one as one line (common.check_shared_args)."""
     check_shared_args(args, check_algorithm_args, train_timestep_grid)
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
     args.train_batch_size = args.train_batch_size or args.group_size
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     check_args(args)
-    try:
-        run_dir, run_lock = prepare_run(args, Path(__file__).stem, world_size, rank == 0)  # locked until exit
-    except RunError as error:
-        fail(error)
-    signals = GracefulStop()  # before the models load, on every rank: a signal then stops after the first iteration
-    device = actor_device(args.device, world_size)  # several ranks: it joins their process group
-    main_process = rank == 0
-    torch.manual_seed(args.seed)  # the LoRA init; rollout and training noise have their own seeded generators
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
-    G, B, T = args.group_size, args.prompts_per_rank * args.group_size, args.num_train_timesteps
-
-    try:
-        train_set, eval_set = load_train_and_eval_prompts(args, world_size, verbose=main_process)
-        prompt_sha256 = prompt_files_sha256(vars(args))  # as just read: a later edit is refused at resume
-        sampler = GroupSampler(len(train_set), args.prompts_per_rank, G, args.seed, rank, world_size)
-        check_model_path(args.model)
-        if args.reward == "qwen-vl":
-            check_reward_model(args.reward_model)
-        if args.dry_run:  # how run.sh checks a run before it starts a reward server
-            print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval prompts")
-            sys.exit(0)
-        compile_cache = CompileCache(args.model, device, enabled=args.compile and device.type == "cuda")
-        precompile = start_precompile(args, compile_cache, device, world_size)  # workers, beside model loading
-        # the scorer before the pipeline: a reward server is checked before minutes of model loading
-        scorer = GuardedScorer(make_scorer(args.reward, device=args.reward_device or str(device), urls=args.reward_urls,
-                                           model_path=args.reward_model, batch_size=B, timeout=args.reward_timeout,
-                                           max_retries=args.reward_retries))  # a failure: NaN scores, see below
-        pipe = load_pipeline(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+    run = Run(args, Path(__file__).stem)  # ranks, run directory and its lock, stop signals
+    device = run.device
+    images_per_rank = args.prompts_per_rank * args.group_size
+    micro_rows = args.train_batch_size * args.num_train_timesteps  # training rows of one step
+    with loading_errors_as_one_line():
+        train_set, eval_set = run.read_inputs()  # prompts and model paths; --dry-run ends here
+        sampler = GroupSampler(len(train_set), args.prompts_per_rank, args.group_size, args.seed,
+                               run.rank, run.world_size)
+        compiler = Compiler(args, device, run.world_size)  # cold: workers compile meanwhile
+        scorer = training_scorer(args, device, images_per_rank)  # a reward server is checked now
+        pipe = load_pipeline(args.model, device, run.dtype, resolution=args.resolution,
                              text_encoder_device=args.text_encoder_device or None)
-        if error := resolution_error(pipe, args.resolution):
-            fail(error)
-        judge = None
-        if main_process and args.eval_every and args.eval_judge not in ("none", args.reward):
-            judge = make_scorer(args.eval_judge)
-    except (DataError, OSError, RuntimeError) as error:
-        fail(error)
-    scoring = ThreadPoolExecutor(1)  # one worker: scorer calls (training and validation) never overlap each other
-    judging = ThreadPoolExecutor(1)  # the CPU judge reads validation images beside the scorer
+        negative = negative_embeddings(pipe, args.max_sequence_length)  # the empty prompt's
+        validation = Validation(pipe, eval_set, args, scorer, negative, run)
     transformer = pipe.transformer
-    add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)
+    add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)  # policy, old, sampling
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if compile_cache.enabled:
-        compile_blocks(transformer)
-        compile_decoder(pipe.vae)
+    compiler.compile(pipe)
     params = lora_parameters(transformer, "policy")
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas, weight_decay=args.weight_decay,
-                                  eps=args.adam_eps)
-    negative = negative_embeddings(pipe, args.max_sequence_length)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas,
+                                  weight_decay=args.weight_decay, eps=args.adam_eps)
+    optimizer_step = GuardedStep(optimizer, params, args, run.world_size)
+    state = run.start(transformer, optimizer, sampler, pipe)  # a new run's state, or the resumed
 
-    # TRY NOT TO MODIFY: run directory, resume, logging
-    try:
-        state = start_state(args, transformer, optimizer, sampler, device, world_size, Path(__file__).stem,
-                            prompt_sha256)
-    except RunError as error:
-        fail(error)
-    writer = None
-    if main_process:
-        writer = SummaryWriter(run_dir, purge_step=state["iteration"] + 1 if state["iteration"] else None)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
-        print(f"run {run_dir}: {world_size} rank(s) x {args.prompts_per_rank} prompts x {G} images = {world_size * B} "
-              f"images per iteration, {B // args.train_batch_size} optimizer step(s) per rank, T={T}; "
-              f"{len(train_set)} train prompts, {len(eval_set)} eval prompts")
-        warn_cut_targets(train_set + eval_set, pipe, args.max_sequence_length)
-
-    if main_process and args.eval_every and not state["eval"]:
-        with precompile.eager():  # while the workers compile
-            state["eval"].append(validate(pipe, eval_set, args, scorer, judge, scoring, judging, negative, autocast,
-                                          writer, 0))
-    precompile.wait()
-    nonfinite_streak, stop_signal, stopped_by = 0, 0, None
-    iterations = tqdm(range(state["iteration"], args.num_iterations), initial=state["iteration"],
-                      total=args.num_iterations, disable=not main_process, desc="iterations")
-    for iteration in iterations:
+    if validation.due(0) and not state["eval"]:
+        state["eval"].append(validation(0))
+    for iteration in run.iterations(state, compiler):
+        timer = run.timer()
         # ROLLOUT: whole prompt groups with the sampling adapter, deterministic ODE, CFG 1
-        timer, perf = time.perf_counter(), {}
         indices = sampler.next_indices()
-        prompts, targets = [train_set[i]["prompt"] for i in indices], [train_set[i]["target"] for i in indices]
-        embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)  # (B,333,4096), (B,2048)
-        seeds = [(args.seed << 40) + (iteration << 20) + rank * B + j for j in range(B)]
-        with use_adapter(transformer, "sampling"), autocast:
-            rollout = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution, args.resolution,
-                             args.forward_batch_size)
-        perf["rollout_s"], timer = time.perf_counter() - timer, time.perf_counter()
-        pending_scores = scoring.submit(timed, scorer, rollout["images"], targets)  # beside the passes below
+        prompts = [train_set[i]["prompt"] for i in indices]
+        targets = [train_set[i]["target"] for i in indices]
+        embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
+        seeds = [image_seed(args.seed, iteration, run.rank * images_per_rank + j)
+                 for j in range(images_per_rank)]
+        with use_adapter(transformer, "sampling"), run.autocast:
+            samples = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution,
+                             args.resolution, args.forward_batch_size)
+        timer.lap("rollout_s")
+        scorer.submit(samples["images"], targets)  # read in a thread while the passes below run
 
-        # ALGO LOGIC: one optimizer step per micro batch of whole groups. Each group trains on T timesteps of the rollout
-        # grid in random order; its timesteps and noise are seeded by its global index, so any world size agrees.
-        x0 = rollout["latents"].to(device)  # (B,C,h,w) float32
-        grid = train_timestep_grid(rollout["timesteps"], args).to(device)  # (trainable steps,)
-        generator, b, timesteps, noise = torch.Generator(device), args.train_batch_size, [], []
-        for first in range(0, B, G):
-            generator.manual_seed((args.seed << 40) + (iteration << 20) + rank * B + first)
-            timesteps.append(grid[torch.randperm(len(grid), generator=generator, device=device)[:T]])  # (T,)
-            shape = (T, 1 if args.shared_group_noise else G, *x0.shape[1:])
-            noise.append(torch.randn(shape, generator=generator, device=device).expand(T, G, *x0.shape[1:]))
-        timesteps = micro_batch_rows(torch.stack(timesteps, 1).repeat_interleave(G, 1), b)  # (B*T,)
-        noise = micro_batch_rows(torch.cat(noise, 1), b)  # (B*T,C,h,w)
-        image = micro_batch_rows(torch.arange(B, device=device).expand(T, B), b)  # (B*T,) the image of each row
-        sigma = (timesteps / 1000).view(-1, 1, 1, 1)
-        noisy, velocity_target = (1 - sigma) * x0[image] + sigma * noise, noise - x0[image]  # (B*T,C,h,w)
-        # What needs no reward runs while the scorer reads: the base model's passes, and the old adapter's until it moves
-        early = (B // b if SNAPSHOT_EVENT == "iteration" else 1) * T * b
-        with torch.no_grad(), autocast:
+        # ALGO LOGIC: each group trains on T timesteps of the rollout grid, with fresh noise
+        grid = train_timestep_grid(samples["timesteps"], args).to(device)
+        rows = training_rows(samples["latents"].to(device), grid, args, iteration, run.rank)
+        # what needs no reward runs while the scorer reads: the base model, old until it moves
+        old_fixed = micro_rows if SNAPSHOTS_EVERY_STEP else len(rows)
+        with torch.no_grad(), run.autocast:
             with use_adapter(transformer, None):
-                v_ref = predict_velocity(transformer, noisy, timesteps, embeds[image], pooled[image], args.kl_cfg,
-                                         *negative, max_batch_size=args.forward_batch_size, wait_each_chunk=True)
+                v_ref = rows.velocity(transformer, embeds, pooled, args, args.kl_cfg, negative)
             with use_adapter(transformer, "old"):
-                v_old = list(predict_velocity(transformer, noisy[:early], timesteps[:early], embeds[image[:early]],
-                                              pooled[image[:early]], max_batch_size=args.forward_batch_size,
-                                              wait_each_chunk=True).split(T * b))  # [(T*b,C,h,w)] * micro batches
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # from here on, training waits
-        waiting = time.perf_counter()
-        (scores, _), perf["reward_s"] = pending_scores.result()
-        rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device), world_size)  # (world * B,)
-        if rewards.isnan().any():  # a scorer failed, on any rank: every rank stops before training on this iteration
-            stopped_by = scorer.failure or "the reward failed on another rank"
+                v_old = rows[:old_fixed].velocity(transformer, embeds, pooled, args)
+        v_old = list(v_old.split(micro_rows))  # one tensor per micro batch
+        timer.lap("train_s")
+        scores = scorer.take()[0]
+        timer.lap("reward_wait_s")
+        rewards = run.gather(torch.as_tensor(scores, dtype=torch.float32, device=device))
+        if run.reward_failed(rewards, scorer):  # on any rank: every rank stops before training
             break
-        advantages = group_advantages(rewards, G, args.global_std, args.adv_clip)[rank * B : (rank + 1) * B]
-        perf["reward_wait_s"] = time.perf_counter() - waiting
-        losses, decays, grad_norms, skipped_steps = {}, {}, [], 0
-        for m in range(B // b):
-            rows = slice(m * T * b, (m + 1) * T * b)
-            mb_noisy, mb_timesteps, mb_target, mb_ref = noisy[rows], timesteps[rows], velocity_target[rows], v_ref[rows]
-            mb_embeds, mb_pooled, mb_adv = embeds[image[rows]], pooled[image[rows]], advantages[image[rows]]  # (T*b,...)
+        advantages = group_advantages(rewards, args.group_size, args.global_std, args.adv_clip)
+        advantages = advantages[run.rank * images_per_rank : (run.rank + 1) * images_per_rank]
+        losses = {}
+        decays = {}
+        for m in range(images_per_rank // args.train_batch_size):
+            batch = rows[m * micro_rows : (m + 1) * micro_rows]
+            ref = v_ref[m * micro_rows : (m + 1) * micro_rows]
             if m == len(v_old):  # the old adapter moved after the last optimizer step
-                with torch.no_grad(), autocast, use_adapter(transformer, "old"):
-                    v_old.append(predict_velocity(transformer, mb_noisy, mb_timesteps, mb_embeds, mb_pooled,
-                                                  max_batch_size=args.forward_batch_size))
-            per_forward = b * args.policy_timesteps_per_forward
-            for chunk in (slice(i, i + per_forward) for i in range(0, T * b, per_forward)):
-                with use_adapter(transformer, "policy"), autocast:
-                    v_theta = predict_velocity(transformer, mb_noisy[chunk], mb_timesteps[chunk], mb_embeds[chunk],
-                                               mb_pooled[chunk])
-                loss, info = dgpo_loss(v_theta, v_old[m][chunk], mb_ref[chunk], mb_target[chunk], mb_adv[chunk], G,
+                with torch.no_grad(), run.autocast, use_adapter(transformer, "old"):
+                    v_old.append(batch.velocity(transformer, embeds, pooled, args, wait=False))
+            for span in batch.policy_chunks(args):  # a few timesteps a forward and backward
+                chunk = batch[span]
+                with use_adapter(transformer, "policy"), run.autocast:
+                    v_theta = chunk.velocity(transformer, embeds, pooled)
+                loss, info = dgpo_loss(v_theta, v_old[m][span], ref[span], chunk.target,
+                                       advantages[chunk.image_index], args.group_size,
                                        args.beta_dpo, args.clip_range, args.ref_kl_coef)
-                share = len(v_theta) / (T * b)  # the loss is the mean over the T timesteps
-                (loss * share).backward()
+                chunk_weight = len(chunk) / micro_rows  # the loss is the mean over the T timesteps
+                (loss * chunk_weight).backward()
                 for key, value in {"loss": loss.detach(), **info}.items():
-                    losses[key] = losses.get(key, 0.0) + value * share
-            all_mean_([p.grad for p in params], world_size)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if torch.isfinite(grad_norm):
-                optimizer.step()
+                    losses[key] = losses.get(key, 0.0) + value * chunk_weight
+            if optimizer_step(iteration):  # averaged over ranks, clipped; non-finite: skipped
                 state["optimizer_steps"] += 1
-                nonfinite_streak = 0
-                decays.update(update_snapshots(transformer, args, "optimizer_step", iteration + 1, state["optimizer_steps"]))
-            else:  # a skipped step moves no snapshot
-                nonfinite_streak, skipped_steps = nonfinite_streak + 1, skipped_steps + 1
-                print(f"iteration {iteration + 1}: non-finite gradient, optimizer step skipped", flush=True)
-            optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(grad_norm)
-        if skipped_steps < B // b:  # nor does an iteration whose every step was skipped
-            decays.update(update_snapshots(transformer, args, "iteration", iteration + 1, state["optimizer_steps"]))
-        all_mean_(list(losses.values()), world_size)  # log the losses of every rank's groups
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        perf["train_s"] = time.perf_counter() - timer - perf["reward_wait_s"]
-        perf["iteration_s"] = perf["rollout_s"] + perf["reward_wait_s"] + perf["train_s"]
-        perf["images_per_s"] = world_size * B / perf["iteration_s"]
-        state.update(iteration=iteration + 1, sampler=sampler.state_dict())  # a resume from here draws what follows
-        state["iteration_s"].append(perf["iteration_s"])
+                if SNAPSHOTS_EVERY_STEP:
+                    decays = update_snapshots(transformer, args, iteration + 1,
+                                              state["optimizer_steps"])
+        if not SNAPSHOTS_EVERY_STEP and optimizer_step.stepped_this_iteration:  # else none moves
+            decays = update_snapshots(transformer, args, iteration + 1, state["optimizer_steps"])
+        run.average(list(losses.values()))  # the losses of every rank's groups
+        timer.lap("train_s")
 
         # TRY NOT TO MODIFY: logging, validation, checkpoints
-        steps_per_iteration = B // args.train_batch_size
-        if main_process:
-            groups = rewards.view(-1, G)
-            logged = {"train/reward_mean": rewards.mean(), "train/reward_std": rewards.std(unbiased=False),
-                      "train/zero_std_group_frac": (groups.std(1) == 0).float().mean(),
-                      "charts/lr": optimizer.param_groups[0]["lr"],
-                      "charts/grad_norm": torch.stack(grad_norms).mean(), "charts/skipped_steps": skipped_steps,
-                      **{f"losses/{k}": v / steps_per_iteration for k, v in losses.items()},
-                      **{f"charts/decay_{k}": v for k, v in decays.items()}, **{f"perf/{k}": v for k, v in perf.items()}}
-            for tag, value in logged.items():
-                writer.add_scalar(tag, float(value), iteration + 1)
-            iterations.set_postfix(reward=f"{float(rewards.mean()):.3f}", loss=f"{float(logged['losses/loss']):.4f}",
-                                   s=f"{perf['iteration_s']:.1f}")
-            if args.eval_every and ((iteration + 1) % args.eval_every == 0 or iteration + 1 == args.num_iterations):
-                state["eval"].append(validate(pipe, eval_set, args, scorer, judge, scoring, judging, negative, autocast,
-                                              writer, iteration + 1))
-        peaks = actor_peak_memory(device, world_size)  # after validation: it may be the peak
-        state["peak_mem_gib"] = {k: max(v, state["peak_mem_gib"].get(k, 0.0)) for k, v in peaks.items()}
-        stop_signal, stopped_by = agreed_stop(signals.signum, nonfinite_streak, args.max_nonfinite_steps,
-                                                scorer.failure, device, world_size)  # the scorer may fail in validation
-        if main_process:
-            writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iteration + 1)
-        if stopped_by:
+        steps = images_per_rank // args.train_batch_size
+        logged = {**optimizer_step.stats(), **{f"losses/{k}": v / steps for k, v in losses.items()},
+                  **{f"charts/decay_{k}": v for k, v in decays.items()},
+                  **timer.perf(run.world_size * images_per_rank, scorer.seconds)}
+        run.end_iteration(iteration + 1, sampler, rewards, logged)
+        if validation.due(iteration + 1):
+            state["eval"].append(validation(iteration + 1))
+        if run.agreed_stop(iteration + 1, optimizer_step, scorer):
             break
-        if main_process:
-            if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.num_iterations:
-                save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)
-            compile_cache.save()  # once, after this start's first iteration: every graph has compiled by then
+        run.save_if_due(transformer, optimizer)
 
-    if main_process and stopped_by and state["iteration"]:  # a stop keeps the last completed iteration
-        save_last_iteration(run_dir, state, transformer, optimizer, args.keep_last)
-    if main_process:
-        summary = write_summary(run_dir, state, args, Path(__file__).stem, world_size, world_size * B, stopped_by,
-                                other_gpus_memory(device, {"reward": args.reward_device,
-                                                           "text encoders": args.text_encoder_device}))
-        writer.close()
-        print(json.dumps(summary, indent=1))
-    exit_code = run_exit_code(stop_signal, stopped_by, state["iteration"], run_dir)
-    if world_size > 1:
-        leave_process_group()
-        os._exit(exit_code)  # skips the interpreter's teardown, in which gloo's threads now and then abort
-    if exit_code:
-        sys.exit(exit_code)
+    run.finish(state, transformer, optimizer, images_per_rank)

@@ -1,24 +1,22 @@
 """Compile a trainer's graphs in worker processes while it loads its models and runs its first validation eagerly.
 
 A cold start (no rollout.CompileCache file yet) compiles ten graphs one after the other, each in the first call that
-needs it: on an H200, about a minute of the first validation and another of the first iteration. Here one worker
-process per pass (the sampling adapter's, the base model's, the policy's with its backward, the VAE decoder's)
-builds the smallest SD3 transformer with the model's block kinds (one dual-attention block, one plain, the last;
-random weights) or the VAE, adds the trainer's LoRA adapters, compiles as the trainer does, makes the first iteration's
-first call of that pass and exits. The graphs are the trainer's, for a graph takes the weights as inputs and holds only
-the code, shapes and dtypes; torch.compile's on-disk caches (inductor's and AOTAutograd's, shared by the user's
-processes) then hold them, and the trainer's own compile finds them there as on a warm start. On an H200 the four
-workers took 87 s beside the trainer (about 5 GiB of GPU memory each), and the first iteration ended 125 s after the
-launch instead of 147-182 s (benchmark/RESULTS.md, "Start-up: compiling in worker processes").
+needs it: part of the first validation and of the first iteration. Here one worker process per pass (the sampling
+adapter's, the base model's, the policy's with its backward, the VAE decoder's) builds the smallest SD3 transformer
+with the model's block kinds (one dual-attention block, one plain, the last; random weights) or the VAE, adds the
+trainer's LoRA adapters, compiles as the trainer does, makes the first iteration's first call of that pass and exits.
+The graphs are the trainer's, for a graph takes the weights as inputs and holds only the code, shapes and dtypes;
+torch.compile's on-disk caches (inductor's and AOTAutograd's, shared by the user's processes) then hold them, and the
+trainer's own compile finds them there as on a warm start. The time this saves is in README, "The recipe".
 
     precompile = Precompile(passes, model, device, torch.bfloat16, lora=(32, 64), resolution=512, text_tokens=333)
     ...                                 # load the models
     with precompile.eager():            # the first validation, eagerly, while the workers compile
-        validate(...)
+        ...
     precompile.wait()                   # then the first iteration's compiles are cache hits
 
-A worker that fails costs nothing but time: the trainer compiles that graph itself. Run as a script, this file is
-one worker: python precompile.py '<JSON spec>'.
+The trainers reach it through common.Compiler. A worker that fails costs nothing but time: the trainer compiles
+that graph itself. Run as a script, this file is one worker: python precompile.py '<JSON spec>'.
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ def random_medium_memory_error(dtype: torch.dtype) -> str | None:
 
 def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                   cache_dir: str | Path | None = None,
-                  text_encoder_device: str | torch.device | None = None) -> StableDiffusion3Pipeline:
+                  text_encoder_device: str | torch.device | None = None,
+                  resolution: int | None = None) -> StableDiffusion3Pipeline:
     """A frozen (eval, no grad) StableDiffusion3Pipeline: hub id, local directory, TINY or RANDOM_MEDIUM.
 
     The CLIP and T5 text encoders (10.4 GiB of SD3.5-M's 14.7 in bf16) go to `text_encoder_device` if given, else
@@ -247,6 +248,7 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
     TINY is built locally and saved to `cache_dir` (default $CRD_CACHE/tiny-sd3-v2, CRD_CACHE=~/.cache/crd), then
     loaded through the same `from_pretrained` as a real model. RANDOM_MEDIUM, SD3.5-M with random weights, is
     created directly on `device` in `dtype` ("meta" counts parameters without memory) and never saved.
+    A `resolution` the model cannot generate is a RuntimeError (resolution_error).
     """
     from diffusers import StableDiffusion3Pipeline
     from safetensors import SafetensorError
@@ -281,6 +283,8 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval().requires_grad_(False)
+    if resolution and (error := resolution_error(pipe, resolution)):
+        raise RuntimeError(error)
     return pipe
 
 
@@ -433,8 +437,8 @@ def use_adapter(transformer, name: str | None):
     The LoRA layers always run the adapter SLOT, whose tensors are pointed at adapter `name`'s: torch.compile's graphs
     guard on the name of peft's active adapter (one graph per adapter and block kind, a minute of compiling each), not
     on which tensors it holds. peft's set_adapter() would also rewrite requires_grad, freezing or unfreezing the policy
-    mid-step; requires_grad is left alone. (The base model could run the adapters' graphs through an adapter with
-    B = 0, 3 graphs fewer; measured on SD3.5-M, that LoRA work made a training iteration 5 % slower.)
+    mid-step; requires_grad is left alone. The base model runs with the adapters disabled rather than through an
+    adapter with B = 0, which would save graphs but add LoRA work to every base pass (README, "The recipe").
     """
     if name is not None and (name == SLOT or name not in getattr(transformer, "peft_config", {})):
         raise ValueError(f"unknown adapter {name!r}")
@@ -477,11 +481,10 @@ def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch
     plain, last), adapter setting (a named adapter or none: use_adapter keeps peft's active adapter name fixed) and
     grad mode. `dynamic="batch"` makes only the batch dimension symbolic, so that every batch size (rollout, CFG,
     training chunks) shares its kind's graph while the token counts and widths stay constants in the generated
-    kernels: on an H200 the first iteration compiles in half the time of torch.compile's dynamic=True (every
-    dimension symbolic; inductor's code generation alone took 6x as long), and the kernels are as fast or faster
-    (benchmark/RESULTS.md, "Start-up"). True and None (a dimension turns symbolic once it changes) are torch.compile's
-    own, kept for benchmark/compile_speed.py's comparisons. Compiling takes a minute or two, paid in the first
-    validation and the first iteration, unless a CompileCache holds it or precompile.py's workers compiled it.
+    kernels, which compile faster than torch.compile's dynamic=True (every dimension symbolic) and run as fast
+    (README, "The recipe"). True and None (a dimension turns symbolic once it changes) are torch.compile's own, kept
+    for benchmark/compile_speed.py's comparisons. The compiling is paid in the first validation and iteration, unless
+    a CompileCache holds it or precompile.py's workers compiled it.
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in transformer.transformer_blocks:

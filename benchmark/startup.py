@@ -53,9 +53,9 @@ def child(variant: str, report: Path, trainer_args: list[str]) -> None:
     import precompile
     import rollout
 
-    # crd.py imports them by name when it runs below
+    # the trainer's Compiler calls them by these names when crd.py runs below
     dynamic = VARIANTS[variant.removesuffix(ONE_PROCESS)]
-    rollout.compile_blocks = functools.partial(rollout.compile_blocks, dynamic=dynamic)
+    common.compile_blocks = functools.partial(rollout.compile_blocks, dynamic=dynamic)  # Compiler's
     if variant.endswith(ONE_PROCESS):
         common.start_precompile = lambda *args: precompile.Precompile([])
     started = time.perf_counter()

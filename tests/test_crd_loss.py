@@ -169,7 +169,7 @@ def test_snapshot_decays_are_the_papers_schedules_at_two_steps_per_iteration(lor
     blends toward the policy with its schedule evaluated at k = 2 x iterations done, the paper's step count."""
     args = crd.Args()
     before = {name: [p.clone() for p in rollout.lora_parameters(lora_transformer, name)] for name in ("old", "sampling")}
-    decays = crd.update_snapshots(lora_transformer, args, crd.SNAPSHOT_EVENT, iteration, 4 * iteration)
+    decays = crd.update_snapshots(lora_transformer, args, iteration, 4 * iteration)
     expected = {"old": paper_decay(2 * iteration, 0, 0.25, 0.005, 0.999),
                 "sampling": paper_decay(2 * iteration, 75, 0.0, 0.0075, 0.999)}
     assert decays == pytest.approx(expected, abs=1e-12)
@@ -192,7 +192,7 @@ def test_schedule_milestones_in_iterations():
 
 def test_snapshot_decays_can_count_optimizer_steps(lora_transformer):
     args = crd.Args(ema_counts_optimizer_steps=True)
-    decays = crd.update_snapshots(lora_transformer, args, crd.SNAPSHOT_EVENT, 25, 100)
+    decays = crd.update_snapshots(lora_transformer, args, 25, 100)
     assert decays == pytest.approx({"old": paper_decay(100, 0, 0.25, 0.005, 0.999),
                                     "sampling": paper_decay(100, 75, 0.0, 0.0075, 0.999)})
 
@@ -235,14 +235,15 @@ def test_micro_batch_rows_are_timestep_major_within_each_micro_batch():
     assert torch.equal(micro_batch_rows(latents, b)[(1 * T + 2) * b + 1], latents[2, 1 * b + 1])
 
 
-@pytest.mark.parametrize("trainer", ["crd", "dgpo"])
-def test_old_adapter_moves_only_at_the_snapshot_event(trainer, tiny_model_dir):
-    """crd.py and dgpo.py run the old adapter's passes before the reward arrives as long as it cannot have moved:
-    a whole iteration for CRD, until the first optimizer step for DGPO. That rests on update_snapshots moving it at
-    SNAPSHOT_EVENT alone."""
+@pytest.mark.parametrize("trainer, every_step", [("crd", False), ("dgpo", True)])
+def test_snapshots_move_the_old_adapter_when_the_trainer_says(trainer, every_step, tiny_model_dir):
+    """crd.py and dgpo.py run the old adapter's passes before the reward arrives as long as it cannot
+    have moved: a whole iteration for CRD (snapshots once an iteration), until the first optimizer
+    step for DGPO (after every step). update_snapshots moves it, and SNAPSHOTS_EVERY_STEP says when."""
     import importlib
 
     module = importlib.import_module(trainer)
+    assert module.SNAPSHOTS_EVERY_STEP is every_step
     args = module.Args()
     transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
     rollout.add_lora_adapters(transformer, 4, 4)
@@ -250,8 +251,5 @@ def test_old_adapter_moves_only_at_the_snapshot_event(trainer, tiny_model_dir):
         for p in rollout.lora_parameters(transformer, "policy"):
             p.add_(1.0)
     old = [p.clone() for p in rollout.lora_parameters(transformer, "old")]
-    other = {"iteration": "optimizer_step", "optimizer_step": "iteration"}[module.SNAPSHOT_EVENT]
-    module.update_snapshots(transformer, args, other, 50, 100)
-    assert all(torch.equal(o, p) for o, p in zip(old, rollout.lora_parameters(transformer, "old")))
-    module.update_snapshots(transformer, args, module.SNAPSHOT_EVENT, 50, 100)
+    module.update_snapshots(transformer, args, 50, 100)
     assert not any(torch.equal(o, p) for o, p in zip(old, rollout.lora_parameters(transformer, "old")))

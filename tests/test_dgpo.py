@@ -105,19 +105,18 @@ def test_old_adapter_ema_per_step_and_sampling_switch(tiny_model_dir):
                 p.add_(1.0), o.sub_(1.0)
 
     move_apart()
-    update_snapshots(transformer, args, "optimizer_step", 1, 1)  # the first step: decay 0, an exact copy
+    update_snapshots(transformer, args, 1, 1)  # the first step: decay 0, an exact copy
     assert all(torch.equal(o, p) for o, p in zip(old, policy))
     move_apart()
     expected_old = [0.1 * o + 0.9 * p for o, p in zip(old, policy)]
-    assert update_snapshots(transformer, args, "iteration", 26, 101) == {}  # nothing at the end of an iteration
-    assert update_snapshots(transformer, args, "optimizer_step", 26, 101) == {"old": pytest.approx(0.1), "sampling": 0.0}
+    assert update_snapshots(transformer, args, 26, 101) == {"old": pytest.approx(0.1), "sampling": 0.0}
     for o, e in zip(old, expected_old):
         torch.testing.assert_close(o, e)  # lerp and the written-out blend round differently near zero
     assert all(torch.equal(s, p) for s, p in zip(sampling, policy))  # before the switch: rollouts use the policy
     move_apart()
-    update_snapshots(transformer, args, "optimizer_step", 50, 200)
+    update_snapshots(transformer, args, 50, 200)
     assert all(torch.equal(s, p) for s, p in zip(sampling, policy))  # 200 steps done: still the policy
-    update_snapshots(transformer, args, "optimizer_step", 51, 201)
+    update_snapshots(transformer, args, 51, 201)
     assert all(torch.equal(s, o) for s, o in zip(sampling, old))  # from the 201st on: the old adapter
     assert not all(torch.equal(s, p) for s, p in zip(sampling, policy))
 
@@ -179,9 +178,10 @@ root, out = Path(sys.argv[1]), sys.argv[2]
 sys.argv = [str(root / "dgpo.py"), *sys.argv[3:]]
 sys.path.insert(0, str(root))
 run = runpy.run_path(str(root / "dgpo.py"), run_name="__main__")
-image = run["image"]
-save_file({"grid": run["rollout"]["timesteps"], "timesteps": run["timesteps"], "noisy": run["noisy"],
-           "embeds": run["embeds"][image], "pooled": run["pooled"][image], "v_ref": run["v_ref"]}, out)
+rows = run["rows"]
+save_file({"grid": run["samples"]["timesteps"], "timesteps": rows.timesteps, "noisy": rows.noisy,
+           "embeds": run["embeds"][rows.image_index],
+           "pooled": run["pooled"][rows.image_index], "v_ref": run["v_ref"]}, out)
 """
 
 

@@ -41,14 +41,17 @@ sys.path.insert(0, str(root))
 exit_now = os._exit
 
 def dump_then_exit(code):
-    run = sys._getframe(1).f_globals
+    frame = sys._getframe(1)
+    while "optimizer" not in frame.f_globals:  # the trainer's own frame, below its Run's
+        frame = frame.f_back
+    run = frame.f_globals
     from safetensors.torch import save_file
     from rollout import lora_state_dict
     tensors = {f"{name}.{key}": value.contiguous() for name in ("policy", "old", "sampling")
                for key, value in lora_state_dict(run["transformer"], name).items()}
     for i, param_state in run["optimizer"].state_dict()["state"].items():
         tensors.update({f"adam.{i}.{key}": value.reshape(-1).contiguous() for key, value in param_state.items()})
-    save_file(tensors, out / f"rank{run['rank']}.safetensors")
+    save_file(tensors, out / f"rank{run['run'].rank}.safetensors")
     exit_now(code)
 
 os._exit = dump_then_exit
