@@ -71,14 +71,13 @@ def number(value):
 
 
 def eval_entry(entry):
-    """[iteration, reward (NaN: its scorer failed), judge's reward or null (absent in older checkpoints)]."""
-    return (type(entry) is list and len(entry) in (2, 3) and whole(entry[0]) and number(entry[1])
-            and (len(entry) == 2 or entry[2] is None or number(entry[2])))
+    """[iteration, reward (NaN: its scorer failed), judge's reward or null]."""
+    return (type(entry) is list and len(entry) == 3 and whole(entry[0]) and number(entry[1])
+            and (entry[2] is None or number(entry[2])))
 
 
 # What each field of trainer_state.json must hold, and how the error says it: the trainers use them unchecked, some only
-# after the model loaded or an iteration ran. Fields older checkpoints lack are given defaults first, or (these) checked
-# when present.
+# after the model loaded or an iteration ran.
 STATE_FIELDS = {
     "args": (lambda v: type(v) is dict, "an object (the run's settings)"),
     "iteration": (whole, "a whole number >= 0"),
@@ -89,12 +88,11 @@ STATE_FIELDS = {
              "a list of [iteration, reward, judge's reward or null] entries"),
     "iteration_s": (lambda v: type(v) is list and all(map(number, v)), "a list of numbers"),
     "start_iterations": (lambda v: type(v) is list and all(whole(i, 1) for i in v), "a list of whole numbers >= 1"),
-    "peak_mem_gib": (lambda v: all(map(number, v.values())), "an object of numbers"),
+    "peak_mem_gib": (lambda v: type(v) is dict and all(map(number, v.values())), "an object of numbers"),
     "world_size": (lambda v: whole(v, 1), "a whole number >= 1"),
     "algorithm": (lambda v: type(v) is str, "a string"),
     "data_sha256": (lambda v: type(v) is dict and all(type(h) is str for h in v.values()), "an object of strings"),
 }
-NEWER_STATE_FIELDS = {"world_size", "algorithm", "data_sha256"}
 
 
 class RunError(Exception):
@@ -104,8 +102,8 @@ class RunError(Exception):
 def resume_changes(checkpoint_state, args, world_size, algorithm):
     """(refused, allowed): "name old -> new" for each setting that differs from the checkpoint's."""
     saved, current = checkpoint_state["args"], json.loads(json.dumps(vars(args)))  # tuples as the JSON's lists
-    saved_world = checkpoint_state.get("world_size", world_size)  # older checkpoints: assume the same world size
-    if checkpoint_state.get("algorithm", algorithm) != algorithm:  # its Args differ too: this says it all
+    saved_world = checkpoint_state["world_size"]
+    if checkpoint_state["algorithm"] != algorithm:  # its Args differ too: this says it all
         return [f"algorithm {checkpoint_state['algorithm']} -> {algorithm}"], []
     refused, allowed = [], []
     for name in sorted(saved.keys() | current.keys()):
@@ -119,8 +117,7 @@ def resume_changes(checkpoint_state, args, world_size, algorithm):
 
 
 def read_checkpoint_state(checkpoint):
-    """trainer_state.json of a checkpoint directory, its fields checked (STATE_FIELDS); checkpoints before
-    `optimizer_steps` called it `global_step`."""
+    """trainer_state.json of a checkpoint directory, its fields checked (STATE_FIELDS)."""
     path = Path(checkpoint) / "trainer_state.json"
     try:
         state = json.loads(path.read_text())
@@ -128,12 +125,8 @@ def read_checkpoint_state(checkpoint):
         raise RunError(f"--resume-from {checkpoint}: not a checkpoint directory ({error})") from None
     if not isinstance(state, dict) or not {"args", "iteration", "sampler"} <= state.keys():
         raise RunError(f"--resume-from {checkpoint}: {path} is not a trainer state (no args, iteration and sampler)")
-    state.setdefault("optimizer_steps", state.pop("global_step", 0))
-    state.setdefault("start_iterations", [1])
-    if not isinstance(state.get("peak_mem_gib"), dict):  # older checkpoints: rank 0's peak alone
-        state["peak_mem_gib"] = {}
     for field, (valid, what) in STATE_FIELDS.items():
-        if (field in state or field not in NEWER_STATE_FIELDS) and not valid(state.get(field)):
+        if not valid(state.get(field)):
             raise RunError(f'{path}: "{field}" must be {what}')
     return state
 
@@ -160,7 +153,7 @@ def prepare_run(args, algorithm, world_size, main_process):
                            "run)")
         if error := adapters_error(shapes, args.lora_rank):  # the checkpoint's rank: another one is refused above
             raise RunError(f"{adapters}: {error}")
-        recorded = resumed.get("data_sha256", {})  # none in older checkpoints: they resume unchecked
+        recorded = resumed["data_sha256"]
         for field, now in prompt_files_sha256(vars(args)).items():  # the checkpoint's paths: others are refused above
             if recorded.get(field, now) != now:
                 raise RunError(f"{PROMPT_FILES[field]} {getattr(args, field)}: its contents changed since "
@@ -537,7 +530,7 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
     steady = [t for i, t in enumerate(times, 1) if i not in warmups]
     mean = float(np.mean(steady)) if steady else None
     best = max(history, key=lambda e: e[1], default=[None, None])
-    judge = lambda entry: entry[2] if len(entry) > 2 else None  # PP-OCR on the same images; None in older checkpoints
+    judge = lambda entry: entry[2]  # --eval-judge on the same images, or None
     completed = state["iteration"] >= args.num_iterations
     summary = {"algorithm": algorithm, "reward": args.reward, "completed": completed,
                "stopped_by": None if completed else stopped_by, "iterations": state["iteration"],

@@ -37,9 +37,8 @@ fields = {"initial_eval_reward": number, "final_eval_reward": number, "best_eval
           "mean_iteration_s": number, "train_images_per_s": number,
           "peak_mem_gib": (lambda v: type(v) is dict and all(type(x) in (int, float) for x in v.values()),
                            "an object of numbers"),
-          "iterations": whole, "optimizer_steps": whole}
-newer_fields = {"algorithm": string, "reward": string, "initial_eval_judge": number, "final_eval_judge": number,
-                "warmup_iteration_s": number}  # older summaries lack them
+          "iterations": whole, "optimizer_steps": whole, "algorithm": string, "reward": string,
+          "initial_eval_judge": number, "final_eval_judge": number, "warmup_iteration_s": number}
 runs = []
 for run in sys.argv[1:]:
     path = Path(run) / "summary.json"
@@ -51,22 +50,22 @@ for run in sys.argv[1:]:
         sys.exit(f"run.sh compare: {path} is not JSON ({error})")
     if not isinstance(summary, dict) or not all(key in summary for key in fields):
         sys.exit(f"run.sh compare: {path} is not a trainer's summary (it lacks {', '.join(fields)})")
-    for key, (fits, kind) in {**fields, **newer_fields}.items():
-        if key in summary and not fits(summary[key]):
+    for key, (fits, kind) in fields.items():
+        if not fits(summary[key]):
             sys.exit(f"run.sh compare: {path}: {key} is {json.dumps(summary[key])}, not {kind}")
     runs.append((Path(run).name, summary))
 fmt = lambda v, unit="": "n/a" if v is None else f"{v:.4f}{unit}" if isinstance(v, float) else str(v)
 seconds = lambda v: "n/a" if v is None else f"{v:.1f} s"
 status = lambda s: "n/a" if "completed" not in s else "yes" if s["completed"] else f"no: stopped by {s['stopped_by']}"
-rows = [("Algorithm", lambda s: s.get("algorithm", "n/a")),
-        ("Reward", lambda s: s.get("reward", "n/a")),
+rows = [("Algorithm", lambda s: s["algorithm"]),
+        ("Reward", lambda s: s["reward"]),
         ("Completed", status),
         ("Initial held-out reward", lambda s: fmt(s["initial_eval_reward"])),
         ("Final held-out reward", lambda s: fmt(s["final_eval_reward"])),
         ("Best observed held-out reward", lambda s: f"{fmt(s['best_eval_reward'])} (iteration {s['best_eval_iteration']})"),
-        ("Initial / final held-out PP-OCR judge", lambda s: f"{fmt(s.get('initial_eval_judge'))} / {fmt(s.get('final_eval_judge'))}"),
+        ("Initial / final held-out PP-OCR judge", lambda s: f"{fmt(s['initial_eval_judge'])} / {fmt(s['final_eval_judge'])}"),
         ("Mean training iteration, excluding evaluation and warm-up", lambda s: seconds(s["mean_iteration_s"])),
-        ("First iteration (torch.compile warm-up)", lambda s: seconds(s.get("warmup_iteration_s"))),
+        ("First iteration (torch.compile warm-up)", lambda s: seconds(s["warmup_iteration_s"])),
         ("Training images per second, excluding evaluation and warm-up", lambda s: fmt(s["train_images_per_s"])),
         ("Memory peak per device", lambda s: ", ".join(f"{k}: {v:.1f} GiB" for k, v in s["peak_mem_gib"].items())),
         ("Iterations / optimizer updates", lambda s: f"{s['iterations']} / {s['optimizer_steps']}")]

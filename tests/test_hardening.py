@@ -133,13 +133,14 @@ def test_a_signal_to_the_trainer_and_then_to_its_process_group_stops_it_graceful
     assert process.returncode == 128 + signal.SIGTERM
 
 
-def test_a_checkpoint_from_before_optimizer_steps_still_loads(tmp_path):
+def test_a_trainer_state_lacking_a_field_is_named(tmp_path):
+    """No released version wrote a trainer_state.json without these fields: one lacking them is
+    damaged, and named in one line rather than filled in."""
     (tmp_path / "trainer_state.json").write_text(json.dumps({"iteration": 4, "global_step": 16, "peak_mem_gib": 3.5,
                                                              "args": {}, "sampler": {"epoch": 0, "position": 8},
                                                              "eval": [[0, 0.5], [4, 0.75]], "iteration_s": [9.0] * 4}))
-    state = checkpoint.read_checkpoint_state(tmp_path)
-    assert state["optimizer_steps"] == 16 and "global_step" not in state
-    assert state["start_iterations"] == [1] and state["peak_mem_gib"] == {}
+    with pytest.raises(checkpoint.RunError, match='"optimizer_steps" must be a whole number >= 0$'):
+        checkpoint.read_checkpoint_state(tmp_path)
 
 
 def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(lora_transformer, tmp_path):
@@ -220,6 +221,11 @@ def edit_state(step, **fields):
     ("iteration_s", 5, "a list of numbers"),
     ("start_iterations", [0], "a list of whole numbers >= 1"),
     ("world_size", True, "a whole number >= 1"),
+    ("world_size", None, "a whole number >= 1"),
+    ("algorithm", None, "a string"),
+    ("peak_mem_gib", 3.5, "an object of numbers"),
+    ("eval", [[0, 0.5]], "a list of [iteration, reward, judge's reward or null] entries"),
+    ("data_sha256", None, "an object of strings"),
 ])
 def test_a_damaged_trainer_state_field_is_named_before_the_model_loads(field, value, must_be, lora_transformer,
                                                                          tmp_path):
@@ -324,7 +330,8 @@ def test_a_resume_refuses_prompt_files_whose_contents_changed(lora_transformer, 
     state = json.loads((step / "trainer_state.json").read_text())
     del state["data_sha256"]
     (step / "trainer_state.json").write_text(json.dumps(state))
-    assert resume(args, step)[0] == step.parent
+    with pytest.raises(checkpoint.RunError, match='"data_sha256" must be an object of strings$'):
+        resume(args, step)
 
 
 def test_prompt_files_edited_during_a_run_are_refused_at_resume(lora_transformer, tmp_path):
