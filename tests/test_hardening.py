@@ -147,7 +147,8 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
     transformer, optimizer = lora_transformer
     args = crd.Args(train_batch_size=6, output_dir=str(tmp_path), lora_rank=4, lora_alpha=4)
     state = {"iteration": 1, "optimizer_steps": 4, "sampler": {"epoch": 0, "position": 2}, "eval": [],
-             "iteration_s": [1.0], "args": json.loads(json.dumps(vars(args)))}
+             "iteration_s": [1.0], "start_iterations": [1], "peak_mem_gib": {}, "world_size": 1,
+             "algorithm": "crd", "data_sha256": {}, "args": json.loads(json.dumps(vars(args)))}
     (tmp_path / "run").mkdir()
     checkpoint.save_checkpoint(tmp_path / "run", 1, transformer, optimizer, state, keep_last=2)
     step = tmp_path / "run" / "global_step_1"
