@@ -12,9 +12,11 @@ here.
 import json
 import math
 import os
+import resource
 import signal
 import sys
 import time
+import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -28,8 +30,9 @@ from tensorboard.summary.writer import record_writer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (GracefulStop, RunError, actor_peak_memory, other_gpus_memory, prepare_run,
-                        prompt_files_sha256, save_last_iteration, start_state, write_summary)
+from checkpoint import (GracefulStop, RunError, actor_peak_memory, checkpoints, other_gpus_memory,
+                        prepare_run, prompt_files_sha256, save_checkpoint, save_last_iteration,
+                        start_state, write_summary)
 from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
 from reward import SCORERS, GuardedScorer, ScoringThread, check_reward_model, make_scorer
@@ -435,6 +438,7 @@ class Validation:
         args = self.args
         writer = self.run.writer
         started = time.perf_counter()
+        self.run.phase = f"the validation after iteration {iteration}"
         embeds, pooled = encode_prompts(self.pipe, self.prompts, args.max_sequence_length)
         seeds = [args.eval_seed + i for i in range(len(self.prompts))]
         with use_adapter(self.pipe.transformer, "sampling"), self.run.autocast:
@@ -462,12 +466,28 @@ class Validation:
         writer.add_image("eval/images", grid, iteration, dataformats="HWC")
         writer.add_text("eval/transcriptions", "\n\n".join(transcriptions), iteration)
         writer.add_scalar("perf/eval_s", time.perf_counter() - started, iteration)
+        self.run.phase = None
         return [iteration, float(np.mean(scores)), judge_mean]
 
     def score_chunk(self, rows, images):
         self.scorer.submit(images, self.targets[rows])
         if self.judge:
             self.judge.submit(images, self.targets[rows])
+
+
+def out_of_memory(error):
+    """Whether an exception is a failed allocation: CUDA's, or the CPU allocator's."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def memory_in_use(device):
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use on {device}"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return f"{peak:.1f} GiB peak resident memory on the CPU"
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -498,6 +518,12 @@ class Run:
         self.bar = None
         self.stop_signal = 0
         self.stopped_by = None
+        self.state = None
+        self.phase = "loading the models"  # None: an iteration's, told by its timer's laps
+        self.iteration_timer = None
+        self.steps_when_saved = None  # the optimizer steps of the last completed iteration
+        self.excepthook = sys.excepthook
+        sys.excepthook = self.out_of_memory_hook
 
     def read_inputs(self):
         """(train prompts, eval prompts), the model paths checked; --dry-run exits here."""
@@ -537,6 +563,11 @@ class Run:
                   f"{len(self.eval_set)} eval prompts")
             warn_cut_targets(self.train_set + self.eval_set, pipe, args.max_sequence_length)
         self.state = state
+        self.transformer = transformer
+        self.optimizer = optimizer
+        self.images_per_rank = args.prompts_per_rank * args.group_size
+        self.steps_when_saved = state["optimizer_steps"]
+        self.phase = None
         return state
 
     def iterations(self, state, compiler):
@@ -551,8 +582,13 @@ class Run:
             if done == 0:
                 compiler.save()
 
+    def progress(self, iterable, desc):
+        """A progress bar on the main process for what takes long (shown after 5 s)."""
+        return tqdm(iterable, desc=desc, disable=not self.main_process, delay=5.0, leave=False)
+
     def timer(self):
-        return PhaseTimer(self.device)
+        self.iteration_timer = PhaseTimer(self.device)
+        return self.iteration_timer
 
     def gather(self, tensor):
         """(N, ...) on each rank -> (world_size * N, ...), rank-major, on every rank."""
@@ -574,6 +610,8 @@ class Run:
         scalars `logged` with the rewards' in TensorBoard and the progress bar."""
         self.state.update(iteration=iterations, sampler=sampler.state_dict())
         self.state["iteration_s"].append(logged["perf/iteration_s"])
+        self.steps_when_saved = self.state["optimizer_steps"]
+        self.iteration_timer = None
         if not self.main_process:
             return
         logged = {**reward_stats(rewards, self.args.group_size), **logged}
@@ -603,18 +641,55 @@ class Run:
         if self.main_process and due:
             save_last_iteration(self.dir, self.state, transformer, optimizer, self.args.keep_last)
 
+    def out_of_memory_hook(self, kind, error, trace):
+        """An allocation that failed ends the run with one line naming the phase, the memory in use
+        and the flags that lower it; the last completed iteration is saved, unless the failed one
+        had already stepped the optimizer (its checkpoint on disk stands then), and summary.json
+        says what stopped the run. Any other exception keeps its traceback."""
+        if not out_of_memory(error):
+            return self.excepthook(kind, error, trace)
+        traceback.clear_frames(trace)  # the failed iteration's tensors go
+        phase = self.phase or self.iteration_phase()
+        self.stopped_by = f"out of memory in {phase} ({memory_in_use(self.device)})"
+        state = self.state
+        saved = None
+        if self.main_process and state and state["iteration"]:
+            if state["optimizer_steps"] == self.steps_when_saved:
+                try:
+                    saved = save_checkpoint(self.dir, state["iteration"], self.transformer,
+                                            self.optimizer, state, self.args.keep_last)
+                except RunError as save_error:
+                    print(f"{Path(sys.argv[0]).name}: error: {save_error}", file=sys.stderr)
+            self.write_summary()
+        latest = saved or (checkpoints(self.dir)[-1:] or [None])[0]
+        kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
+        print(f"{Path(sys.argv[0]).name}: error: {self.stopped_by}: lower --forward-batch-size or "
+              "--policy-timesteps-per-forward, or add --gradient-checkpointing or move the text "
+              f"encoders with --text-encoder-device; {kept}", file=sys.stderr, flush=True)
+        if self.world_size > 1:
+            os._exit(1)  # the other ranks wait in a collective: torchrun ends them
+
+    def iteration_phase(self):
+        laps = self.iteration_timer.seconds if self.iteration_timer else {}
+        part = "training" if "rollout_s" in laps else "rollout"
+        return f"the {part} of iteration {self.state['iteration'] + 1}"
+
+    def write_summary(self):
+        args = self.args
+        roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
+        summary = write_summary(self.dir, self.state, args, self.algorithm, self.world_size,
+                                self.world_size * self.images_per_rank, self.stopped_by,
+                                other_gpus_memory(self.device, roles))
+        self.writer.close()
+        return summary
+
     def finish(self, state, transformer, optimizer, images_per_rank):
         """A stopped run keeps its last completed iteration; summary.json; exit with the status."""
         args = self.args
         if self.main_process and self.stopped_by and state["iteration"]:
             save_last_iteration(self.dir, state, transformer, optimizer, args.keep_last)
         if self.main_process:
-            roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
-            summary = write_summary(self.dir, state, args, self.algorithm, self.world_size,
-                                    self.world_size * images_per_rank, self.stopped_by,
-                                    other_gpus_memory(self.device, roles))
-            self.writer.close()
-            print(json.dumps(summary, indent=1))
+            print(json.dumps(self.write_summary(), indent=1))
         exit_code = run_exit_code(self.stop_signal, self.stopped_by, state["iteration"], self.dir)
         if self.world_size > 1:
             leave_process_group()

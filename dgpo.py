@@ -315,7 +315,7 @@ if __name__ == "__main__":
                  for j in range(images_per_rank)]
         with use_adapter(transformer, "sampling"), run.autocast:
             samples = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution,
-                             args.resolution, args.forward_batch_size)
+                             args.resolution, args.forward_batch_size, progress=run.main_process)
         timer.lap("rollout_s")
         scorer.submit(samples["images"], targets)  # read in a thread while the passes below run
 
@@ -340,7 +340,7 @@ if __name__ == "__main__":
         advantages = advantages[run.rank * images_per_rank : (run.rank + 1) * images_per_rank]
         losses = {}
         decays = {}
-        for m in range(images_per_rank // args.train_batch_size):
+        for m in run.progress(range(images_per_rank // args.train_batch_size), "training"):
             batch = rows[m * micro_rows : (m + 1) * micro_rows]
             ref = v_ref[m * micro_rows : (m + 1) * micro_rows]
             if m == len(v_old):  # the old adapter moved after the last optimizer step

@@ -656,7 +656,8 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
     latents = initial_latents(seeds, shape, device, torch.float32)  # (B, C, h, w)
     per_call = images_per_call(len(seeds), max_batch_size, guidance_scale)
     images = []
-    bar = tqdm(total=math.ceil(len(seeds) / per_call) * num_steps, desc="sampling", disable=not progress)
+    bar = tqdm(total=math.ceil(len(seeds) / per_call) * num_steps, desc="sampling", disable=not progress,
+               delay=5.0)  # shown once sampling takes long
     for start in range(0, len(seeds), per_call):
         chunk = slice(start, start + per_call)
         x = latents[chunk]
