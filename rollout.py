@@ -14,6 +14,7 @@ optimizer lives here. One transformer carries three LoRA adapters (trainable `po
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -180,7 +181,8 @@ def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
 def check_model_path(model: str, flag: str = "--model", marker: str = "model_index.json",
                      kind: str = "a diffusers pipeline") -> None:
     """A RuntimeError naming `flag` and `model` when it is meant as a local directory and is not one holding `kind`
-    (a directory with a `marker` file); the loader would call it a malformed hub id.
+    (a directory with a `marker` file); the loader would call it a malformed hub id. A diffusers
+    pipeline must also hold every component folder its model_index.json lists (missing_components).
 
     Meant as a directory: anything but a hub id `name` or `org/name`, and a hub-id-like path that exists, in whole
     or its first part (`models/sd35` with a local `models/`). TINY and RANDOM_MEDIUM pass.
@@ -194,6 +196,41 @@ def check_model_path(model: str, flag: str = "--model", marker: str = "model_ind
         raise RuntimeError(f"{flag} {model}: " + ("not a directory" if path.exists() else "no such directory"))
     if not (path / marker).is_file():
         raise RuntimeError(f"{flag} {model}: no {marker} in this directory, so not {kind}")
+    if marker == "model_index.json":
+        missing = missing_components(path)
+        if missing:
+            raise RuntimeError(f"{flag} {model}: {missing}")
+
+
+def missing_components(path: Path) -> str | None:
+    """What a diffusers pipeline directory lacks of what its model_index.json lists, or None.
+
+    Each entry of model_index.json that names a [library, class] is a component loaded from the
+    subfolder of that name; a null one ([null, null], e.g. SD3's image_encoder) is not loaded.
+    Unchecked, a missing folder surfaces at loading as diffusers' "no file named config.json found
+    in directory <root>", which names the root, not the folder.
+    """
+    index_path = path / "model_index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return f"model_index.json cannot be read ({error})"
+    if not isinstance(index, dict):
+        return "model_index.json is not a JSON object"
+    missing = []
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list):  # _class_name, _diffusers_version
+            continue
+        if None in entry or (path / name).is_dir():
+            continue
+        missing.append((f"{name}/", str(entry[-1])))
+    if not missing:
+        return None
+    folders = ", ".join(folder for folder, _ in missing)
+    classes = ", ".join(cls for _, cls in missing)
+    if len(missing) == 1:
+        return f"no {folders} folder: model_index.json lists it as the pipeline's {classes}"
+    return f"no {folders} folders: model_index.json lists them as the pipeline's {classes}"
 
 
 def safetensors_error(path) -> str | None:
@@ -514,8 +551,22 @@ def _batch_dynamic(module, args, output):
     return output
 
 
+# In bfloat16, diffusers' Upsample2D.forward calls its lru_cache-wrapped is_torch_version
+# (upsampling.py lines 156 and 180 in diffusers 0.40), and dynamo warns on every cold start that it
+# traces through the cache. The function only compares version strings, so tracing it is correct:
+# the warning is expected. It is matched by its text, file and call (at any line, for other
+# diffusers versions), so that every other lru_cache warning still shows.
+UPSAMPLING_LRU_CACHE_WARNING = (
+    r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function at "
+    r"'upsampling\.py:\d+'(?s:.*)"
+    r"diffusers[/\\]models[/\\]upsampling\.py\", line \d+, in forward\n.*is_torch_version")
+
+
 def compile_decoder(vae) -> None:
     """torch.compile the VAE decoder: its group norms and activations over full-resolution maps are memory-bound eagerly."""
+    # for the whole process: dynamo warns when it traces, at the first decode, after this returns
+    warnings.filterwarnings("ignore", UPSAMPLING_LRU_CACHE_WARNING, UserWarning,
+                            r"torch\._dynamo\.")
     vae.decoder.compile()
 
 

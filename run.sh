@@ -2,7 +2,7 @@
 # The recipe launcher:
 #   bash run.sh crd  [trainer args...]     CRD, defaults of the recipe; extra args are passed last, so they win
 #   bash run.sh dgpo [trainer args...]     the matched DGPO baseline
-#   bash run.sh compare RUN_DIR_A RUN_DIR_B   the anchor table of two finished runs, side by side
+#   bash run.sh compare RUN_DIR [RUN_DIR...]   the anchor table of finished runs, side by side
 # Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
 # TOTAL_TRAINING_STEPS (100 iterations), EVAL_PROMPTS (32 held-out prompts per validation; the anchor table used 128),
 # OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
@@ -18,13 +18,13 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
-usage="usage: bash run.sh crd|dgpo [trainer args...]  |  bash run.sh compare RUN_DIR_A RUN_DIR_B"
+usage="usage: bash run.sh crd|dgpo [trainer args...]  |  bash run.sh compare RUN_DIR [RUN_DIR...]"
 algo=${1:-}
 [[ $algo == crd || $algo == dgpo || $algo == compare ]] || { echo "$usage" >&2; exit 2; }
 shift
 
 if [[ $algo == compare ]]; then
-  [[ $# == 2 ]] || { echo "$usage" >&2; exit 2; }
+  (( $# >= 1 )) || { echo "$usage" >&2; exit 2; }  # one run: its table alone
   exec "$PYTHON" - "$@" <<'PY'
 import json, sys
 from pathlib import Path
@@ -65,7 +65,9 @@ rows = [("Algorithm", lambda s: s["algorithm"]),
         ("Best observed held-out reward", lambda s: f"{fmt(s['best_eval_reward'])} (iteration {s['best_eval_iteration']})"),
         ("Initial / final held-out PP-OCR judge", lambda s: f"{fmt(s['initial_eval_judge'])} / {fmt(s['final_eval_judge'])}"),
         ("Mean training iteration, excluding evaluation and warm-up", lambda s: seconds(s["mean_iteration_s"])),
-        ("First iteration (torch.compile warm-up)", lambda s: seconds(s["warmup_iteration_s"])),
+        # summary.json does not say whether the run compiled (CPU runs and --no-compile do not)
+        ("First iteration (including torch.compile's warm-up, if any)",
+         lambda s: seconds(s["warmup_iteration_s"])),
         ("Training images per second, excluding evaluation and warm-up", lambda s: fmt(s["train_images_per_s"])),
         ("Memory peak per device", lambda s: ", ".join(f"{k}: {v:.1f} GiB" for k, v in s["peak_mem_gib"].items())),
         ("Iterations / optimizer updates", lambda s: f"{s['iterations']} / {s['optimizer_steps']}")]

@@ -408,6 +408,36 @@ def test_compiled_decoder_decodes_like_eager(tiny_model_dir):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+# A bf16 decode of the tiny VAE compiled; the backend is eager, as inductor's CPU code generation for
+# bf16 takes minutes here, and dynamo warns while it traces, before any backend runs. Then a warning
+# of the same kind from elsewhere, which must still show.
+QUIET_DECODER = """
+import functools, sys, warnings
+import torch
+from diffusers import AutoencoderKL
+import rollout
+torch.compile = functools.partial(torch.compile, backend="eager")
+vae = AutoencoderKL.from_pretrained(sys.argv[1], subfolder="vae", torch_dtype=torch.bfloat16)
+rollout.compile_decoder(vae)
+with torch.no_grad():
+    vae.decode(torch.zeros(1, 16, 4, 4, dtype=torch.bfloat16))
+assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+warnings.warn_explicit("Dynamo detected a call to a `functools.lru_cache`-wrapped function at "
+                       "'elsewhere.py:3'.", UserWarning, "functions.py", 1,
+                       module="torch._dynamo.variables.functions")
+"""
+
+
+def test_compiled_decoder_silences_only_diffusers_expected_lru_cache_warnings(tiny_model_dir):
+    """diffusers' Upsample2D calls an lru_cache-wrapped version check in bf16 (upsampling.py:156
+    and 180), which dynamo reports on every cold start; compile_decoder silences those two alone."""
+    result = subprocess.run([sys.executable, "-c", QUIET_DECODER, str(tiny_model_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = re.findall(r"lru_cache`-wrapped function at '([^']*)'", result.stderr)
+    assert reported == ["elsewhere.py:3"]
+
+
 def test_lora_tensors_stay_float32_on_bf16_base(tiny_model_dir):
     transformer = rollout.load_pipeline(str(tiny_model_dir), dtype=torch.bfloat16).transformer
     rollout.add_lora_adapters(transformer, rank=4, alpha=8)
@@ -565,6 +595,30 @@ def test_missing_local_model_has_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="could not load the SD3 model") as info:
         rollout.load_pipeline(str(tmp_path))
     assert info.value.__cause__ is not None and "hf auth login" not in str(info.value)  # a local directory
+
+
+def test_dry_run_names_a_component_folder_the_model_lacks(tiny_model_dir, tmp_path):
+    """A copy of the tiny pipeline without transformer/ (model_index.json lists it): --dry-run
+    names that folder in one line, as the real run would, instead of accepting the directory."""
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    rollout.check_model_path(str(model))  # whole, it passes: null entries (image_encoder) need none
+    shutil.rmtree(model / "transformer")
+    data = ROOT / "tests" / "data" / "ocr"
+    result = subprocess.run([sys.executable, "crd.py", "--model", str(model), "--reward", "brightness",
+                             "--train-data", data / "train.txt", "--eval-data", data / "test.txt",
+                             "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"crd.py: error: --model {model}: no transformer/ folder: model_index.json lists it as the "
+        "pipeline's SD3Transformer2DModel"]
+    shutil.rmtree(model / "vae")
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"--model {model}: no transformer/, vae/ folders: model_index.json lists them as the "
+            "pipeline's SD3Transformer2DModel, AutoencoderKL")):
+        rollout.load_pipeline(str(model))
+    (model / "model_index.json").write_text("{")
+    with pytest.raises(RuntimeError, match=f"^--model {re.escape(str(model))}: model_index.json "
+                                           "cannot be read"):
+        rollout.load_pipeline(str(model))
 
 
 def test_a_damaged_model_file_is_named(tiny_model_dir, tmp_path):

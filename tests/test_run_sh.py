@@ -180,6 +180,24 @@ def test_compare_names_a_summary_field_of_the_wrong_type(field, value, kind, tmp
         f"run.sh compare: {tmp_path / 'b' / 'summary.json'}: {field} is {json.dumps(value)}, not {kind}"]
 
 
+def test_compare_of_one_run_prints_its_table_and_the_first_iteration_without_claiming_a_compile(
+        tmp_path):
+    """One run is a table of one column, not the usage; summary.json does not say whether the run
+    compiled (CPU runs never do), so the first iteration's row claims no torch.compile warm-up."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(SUMMARY))
+    result = run_sh({**os.environ, "PYTHON": sys.executable}, "compare", tmp_path / "a", timeout=30)
+    assert result.returncode == 0, result.stderr
+    table = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()]
+    rows = {label: cells for label, *cells in table[2:]}
+    assert table[0] == ["Metric", "a"]
+    assert rows["Final held-out reward"] == ["0.5000"]
+    assert rows["First iteration (including torch.compile's warm-up, if any)"] == ["20.5 s"]
+    assert "(torch.compile warm-up)" not in result.stdout
+    usage = run_sh({**os.environ, "PYTHON": sys.executable}, "compare", timeout=30)
+    assert usage.returncode == 2 and "bash run.sh compare RUN_DIR [RUN_DIR...]" in usage.stderr
+
+
 def test_launch_py_reports_a_failed_rank_in_one_line_with_its_exit_code(tmp_path):
     """torchrun's ~40-line ChildFailedError report becomes one line after the rank's own error, with its exit code."""
     script = tmp_path / "fails.py"
