@@ -3,10 +3,13 @@ resume, logging, checkpoints, the agreed stop), the guarded optimizer step, the 
 validation and the per-iteration timer. No loss, advantage, EMA schedule or optimizer choice lives
 here.
 
-    run = Run(args, "crd")                         # ranks, run directory and its lock, stop signals
-    compiler = Compiler(args, run.device, run.world_size); compiler.compile(pipe)
-    for iteration in run.iterations(state, compiler): ...
-    run.finish(state, transformer, optimizer, images_per_rank)   # summary.json and the exit status
+    run = Run(args, "crd")                      # ranks, run directory and its lock, stop signals
+    compiler = Compiler(args, run.device, run.world_size)   # before the models load
+    compiler.compile(pipe)
+    state = run.start(transformer, optimizer, sampler, pipe)  # a new run's state, or the resumed
+    for iteration in run.iterations(state, compiler):
+        ...
+    run.finish()                                # summary.json and the exit status
 """
 
 import json
@@ -634,12 +637,13 @@ class Run:
             self.writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iterations)
         return bool(self.stopped_by)
 
-    def save_if_due(self, transformer, optimizer):
+    def save_if_due(self):
         """A checkpoint every --save-every iterations and at the end (main process)."""
         iterations = self.state["iteration"]
         due = iterations % self.args.save_every == 0 or iterations == self.args.num_iterations
         if self.main_process and due:
-            save_last_iteration(self.dir, self.state, transformer, optimizer, self.args.keep_last)
+            save_last_iteration(self.dir, self.state, self.transformer, self.optimizer,
+                                self.args.keep_last)
 
     def out_of_memory_hook(self, kind, error, trace):
         """An allocation that failed ends the run with one line naming the phase, the memory in use
@@ -683,13 +687,16 @@ class Run:
         self.writer.close()
         return summary
 
-    def finish(self, state, transformer, optimizer, images_per_rank):
+    def finish(self):
         """A stopped run keeps its last completed iteration; summary.json; exit with the status."""
-        args = self.args
+        state = self.state
         if self.main_process and self.stopped_by and state["iteration"]:
-            save_last_iteration(self.dir, state, transformer, optimizer, args.keep_last)
+            save_last_iteration(self.dir, state, self.transformer, self.optimizer,
+                                self.args.keep_last)
         if self.main_process:
             print(json.dumps(self.write_summary(), indent=1))
+            # the first line named the run directory, many progress lines ago
+            print(f"run {self.dir}: summary.json, TensorBoard events and checkpoints", flush=True)
         exit_code = run_exit_code(self.stop_signal, self.stopped_by, state["iteration"], self.dir)
         if self.world_size > 1:
             leave_process_group()

@@ -377,6 +377,6 @@ if __name__ == "__main__":
             state["eval"].append(validation(iteration + 1))
         if run.agreed_stop(iteration + 1, optimizer_step, scorer):
             break
-        run.save_if_due(transformer, optimizer)
+        run.save_if_due()
 
-    run.finish(state, transformer, optimizer, images_per_rank)
+    run.finish()  # summary.json and the exit status

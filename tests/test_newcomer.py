@@ -86,7 +86,9 @@ def test_readme_demo_then_evaluate_compare_and_lora_snippet_work_as_written(
     work = working_copy(tmp_path)
     # the tiny model this session built (its parent is a CRD_CACHE); PYTHON: run.sh's interpreter
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHON": sys.executable}
-    run(demo, work, env, timeout=400)
+    trained = run(demo, work, env, timeout=400)
+    last = trained.stdout.strip().splitlines()[-1]  # the run directory, named again at the end
+    assert last == f"run {run_dir}: summary.json, TensorBoard events and checkpoints"
     summary = json.loads((work / run_dir / "summary.json").read_text())
     assert summary["completed"] and (work / checkpoint / "policy_lora").is_dir()
 
