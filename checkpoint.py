@@ -7,11 +7,12 @@ or replaced with `--overwrite`. `--resume-from latest` is the newest complete ch
 or a new run where it has none (resolve_latest). A resume refuses settings that would change the run's math
 (`SAFE_TO_CHANGE_ON_RESUME` lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal;
 a failed scorer stops the run before it trains on the failed iteration, saving the one before; the summary then says
-what stopped it.
+what stopped it, as it does when a checkpoint cannot be written (a full disk).
 """
 
 import fcntl
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -24,6 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -340,8 +342,15 @@ def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last
             adapters = {f"{name}.{key}": value.contiguous() for name in ADAPTERS
                         for key, value in lora_state_dict(transformer, name).items()}
             save_file(adapters, partial / "adapters.safetensors")
-            torch.save(optimizer.state_dict(), partial / "optimizer.pt")
-            (partial / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            # torch.save reports a failed write (a full disk) as a RuntimeError without the OS's
+            # reason ("unexpected pos", "basic_ios::clear"): serialized in memory, the file is
+            # written here, and the OSError says why
+            serialized = io.BytesIO()
+            torch.save(optimizer.state_dict(), serialized)
+            write_file(partial / "optimizer.pt", serialized.getbuffer())
+            write_file(partial / "trainer_state.json", json.dumps(state, indent=1).encode())
+            for path in partial.rglob("*"):  # safetensors writes its files 0600, whatever the umask
+                path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -358,13 +367,44 @@ def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last
     return final
 
 
-def save_last_iteration(run_dir, state, transformer, optimizer, keep_last):
-    """save_checkpoint of the last completed iteration, state["iteration"]; a write error ends the process with its
-    line (the trainers' error format)."""
+def write_file(path, data):
+    """Bytes to a new file at `path`, created as the umask says; an OSError names the file (a
+    failed write alone names none)."""
+    try:
+        with open(path, "wb") as file:
+            file.write(data)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, Path(path).name) from None
+
+
+def save_last_iteration(run_dir, state, transformer, optimizer, keep_last, stopped_by=None):
+    """save_checkpoint of the last completed iteration, state["iteration"]. A write error (a full
+    disk) ends the process with its line (the trainers' error format), naming the latest complete
+    checkpoint, after a summary.json that gives it as what stopped the run (after `stopped_by`,
+    what had stopped it before, if anything)."""
     try:
         return save_checkpoint(run_dir, state["iteration"], transformer, optimizer, state, keep_last)
     except RunError as error:
-        sys.exit(f"{Path(sys.argv[0]).name}: error: {error}")
+        failure = str(error)
+    try:
+        summary_of_state(run_dir, state, f"{stopped_by}; then {failure}" if stopped_by else failure)
+    except OSError as error:  # the disk may still be full
+        failure += f"; summary.json could not be written either ({error.strerror or error})"
+    sys.exit(f"{Path(sys.argv[0]).name}: error: {failure}")
+
+
+def summary_of_state(run_dir, state, stopped_by):
+    """write_summary of a trainer's state (start_state's: it holds the run's Args, algorithm and
+    world size), as the trainer writes it at its end."""
+    args = SimpleNamespace(**state["args"])
+    world_size = state["world_size"]
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # as the trainers name it
+    roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
+    images = world_size * args.prompts_per_rank * args.group_size
+    return write_summary(run_dir, state, args, state["algorithm"], world_size, images, stopped_by,
+                         other_gpus_memory(device, roles))
 
 
 def prompt_files_sha256(run_args):
@@ -531,7 +571,10 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
     mean = float(np.mean(steady)) if steady else None
     best = max(history, key=lambda e: e[1], default=[None, None])
     judge = lambda entry: entry[2]  # --eval-judge on the same images, or None
-    completed = state["iteration"] >= args.num_iterations
+    last = Path(run_dir) / f"global_step_{state['iteration']}"
+    saved = not state["iteration"] or all((last / name).exists() for name in CHECKPOINT_FILES)
+    # a full disk may have lost the last checkpoint: then the run is not complete
+    completed = state["iteration"] >= args.num_iterations and saved
     summary = {"algorithm": algorithm, "reward": args.reward, "completed": completed,
                "stopped_by": None if completed else stopped_by, "iterations": state["iteration"],
                "optimizer_steps": state["optimizer_steps"], "world_size": world_size,

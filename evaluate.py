@@ -11,18 +11,23 @@ Results go to {output_dir}/{name}/: results.jsonl, one line per prompt appended 
 run at any time, Ctrl-C or kill, and run the same command to continue without rescoring what is done);
 results.json, with every prompt's target, transcriptions and scores, the means with their standard errors and the
 settings; grid.png, the first images with their scores.
+A --checkpoint is scored by default as its run validated: its seed, steps, CFG, resolution and T5
+tokens (--seed, --num-steps, --guidance, --resolution, --max-sequence-length override them). One
+process at a time writes a results directory (it holds evaluate.lock there).
 """
 
+import fcntl
 import hashlib
 import json
 import math
+import os
 import signal
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -39,6 +44,17 @@ from rollout import (add_lora_adapters, captioned_grid, check_model_path, compil
                      sample)
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
+# evaluate.py's protocol flags: {field: (the trainers' Args field, the recipe's value)}. A
+# checkpoint's run validated with its own values: the defaults when it is scored (else the recipe's)
+PROTOCOL = {"seed": ("eval_seed", 0), "num_steps": ("eval_steps", 40),
+            "guidance": ("eval_guidance", 4.5), "resolution": ("resolution", 512),
+            "max_sequence_length": ("max_sequence_length", 256)}
+
+
+def protocol_flag(metavar, trained_field, recipe):
+    """tyro's marks of a protocol flag: its --help says where its default comes from."""
+    hint = f"(default: --checkpoint's {trained_field}, else {recipe:g})"
+    return tyro.conf.arg(metavar=metavar, help_behavior_hint=hint)
 
 
 @dataclass
@@ -59,20 +75,22 @@ class Args:
     model: str = ""
     """hub id or local directory of SD3.5, `tiny` or `random-sd3.5-medium` (default: the checkpoint's, else SD3.5-M)"""
 
-    # Prompts and protocol (defaults: the recipe's validation)
+    # Prompts and protocol (defaults: the validation of --checkpoint's run, else the recipe's)
     eval_data: str = "data/ocr/test.jsonl"
     """held-out prompts (.jsonl from data.py, or Flow-GRPO's raw .txt)"""
     num_prompts: int = 0
     """score the first N prompts (0: all); a later run with a larger N continues the same results"""
-    seed: int = 0
+    # None: not given; take_protocol fills these from --checkpoint's run, else with the recipe's
+    seed: Annotated[int | None, protocol_flag("INT", "eval_seed", 0)] = None
     """image i uses seed seed + i (the trainers' --eval-seed)"""
-    num_steps: int = 40
+    num_steps: Annotated[int | None, protocol_flag("INT", "eval_steps", 40)] = None
     """Euler ODE steps"""
-    guidance: float = 4.5
+    guidance: Annotated[float | None, protocol_flag("FLOAT", "eval_guidance", 4.5)] = None
     """CFG scale, against the empty prompt (1: no CFG)"""
-    resolution: int = 512
+    resolution: Annotated[int | None, protocol_flag("INT", "resolution", 512)] = None
     """image height and width in pixels (multiple of 16)"""
-    max_sequence_length: int = 256
+    max_sequence_length: Annotated[int | None,
+                                   protocol_flag("INT", "max_sequence_length", 256)] = None
     """T5 prompt tokens"""
 
     # Scoring
@@ -112,6 +130,7 @@ class Args:
 def check_args(args):
     if args.checkpoint and args.lora:
         fail("--checkpoint and --lora: pass one of them (neither: the base model)")
+    take_protocol(args)  # a no-op after the main program's; Args() made in code leaves them None
     for flag in ("num_steps", "resolution", "batch_size", "forward_batch_size"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
@@ -128,6 +147,53 @@ def check_args(args):
     if args.reward not in SCORERS:
         fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
     check_devices(args, "evaluate.py runs")
+
+
+def take_protocol(args):
+    """Fill the protocol flags not given (None): from --checkpoint's run, as it validated (its
+    trainer_state.json's Args), else with the recipe's values. Returns {flag: value} of those taken
+    from the checkpoint."""
+    trained = {}
+    if args.checkpoint:
+        try:
+            trained = json.loads((Path(args.checkpoint) / "trainer_state.json").read_text())["args"]
+        except (OSError, ValueError, KeyError, TypeError):  # read_checkpoint names what is wrong
+            trained = {}
+    if not isinstance(trained, dict):
+        trained = {}
+    taken = {}
+    for name, (trained_name, recipe) in PROTOCOL.items():
+        if getattr(args, name) is not None:
+            continue
+        value = trained.get(trained_name, recipe)
+        kinds = (int, float) if name == "guidance" else (int,)
+        if type(value) not in kinds:  # a hand-edited file: the checks below would raise TypeError
+            fail(f"--checkpoint {args.checkpoint}: its trainer_state.json records {trained_name} "
+                 f"{value!r}, not a number; pass --{name.replace('_', '-')}")
+        setattr(args, name, value)
+        if trained_name in trained:
+            taken[f"--{name.replace('_', '-')}"] = value
+    return taken
+
+
+def lock_results(out):
+    """An exclusive lock on out/evaluate.lock, held while this process lives (the trainers lock
+    run.lock so): a second evaluate.py on the same results would score every prompt again."""
+    try:
+        lock = open(out / "evaluate.lock", "a+")
+    except OSError as error:
+        fail(f"cannot write {out / 'evaluate.lock'} ({error.strerror or error})")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        other = lock.read().strip() or "?"
+        fail(f"{out} is in use by another evaluate.py (pid {other}): wait for it to end; the same "
+             "command then continues its results")
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def sha256(*paths):
@@ -257,6 +323,7 @@ def mean_and_stderr(values):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    from_checkpoint = take_protocol(args)
     check_args(args)
     device = torch.device(args.device)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -296,9 +363,16 @@ if __name__ == "__main__":
         (out / "images").mkdir(parents=True, exist_ok=True)
     except OSError as error:
         fail(f"--output-dir {args.output_dir}: cannot create {out / 'images'} ({error.strerror or error})")
+    lock = lock_results(out)  # held until the process ends; taken first, as results.jsonl is read
     results_path = out / "results.jsonl"
-    done = read_results(results_path, settings, prompts)
+    try:
+        done = read_results(results_path, settings, prompts)
+    except OSError as error:  # unreadable, or its settings line cannot be written (a full disk)
+        fail(f"{results_path}: {error.strerror or error}")
     todo = [i for i in range(len(prompts)) if i not in done]
+    if from_checkpoint:
+        taken = ", ".join(f"{flag} {value:g}" for flag, value in from_checkpoint.items())
+        print(f"the validation protocol of {args.checkpoint}'s run: {taken}", flush=True)
     print(f"{out}: {len(prompts) - len(todo)} of {len(prompts)} prompts already scored", flush=True)
 
     threads = []  # the scorers' threads: they read a chunk while the next one samples
@@ -309,6 +383,21 @@ if __name__ == "__main__":
         print(f"\nstopped by signal {signum}: {len(done)} of {len(prompts)} prompts are scored in {results_path}; "
               "the same command continues", file=sys.stderr)
         sys.exit(128 + signum)
+
+    def cannot_write(path, error):
+        """One line for a file that cannot be written (a full disk): the prompts scored so far stay
+        in results.jsonl, whose lines are whole."""
+        for thread in threads:
+            thread.cancel()
+        fail(f"cannot write {path} ({error.strerror or error}): {len(done)} of {len(prompts)} "
+             f"prompts are scored in {results_path}; the same command continues once there is room")
+
+    def save_image(image, path):
+        try:
+            Image.fromarray(image).save(path)
+        except OSError as error:
+            path.unlink(missing_ok=True)  # a cut PNG would draw into a later grid
+            cannot_write(path, error)
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -348,19 +437,23 @@ if __name__ == "__main__":
         judge_scores, judge_texts = judge.take(count) if judge else ([], [])
         indices = [i for part, _ in taken for i in part]
         images = np.concatenate([part_images for _, part_images in taken])
-        lines = []
+        records = {}
         for j, i in enumerate(indices):
             if i < args.grid_images or args.save_images:
-                Image.fromarray(images[j]).save(out / "images" / f"{i:05d}.png")
+                save_image(images[j], out / "images" / f"{i:05d}.png")
             record = {"index": i, "prompt": prompts[i], "target": targets[i], "transcription": texts[j],
                       "score": float(scores[j])}
             if judge:
                 record[f"{judge_name}_transcription"] = judge_texts[j]
                 record[f"{judge_name}_score"] = float(judge_scores[j])
-            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-            done[i] = record
-        with results_path.open("a", encoding="utf-8") as results:
-            results.write("".join(lines))
+            records[i] = record
+        lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in records.values()]
+        try:
+            with results_path.open("a", encoding="utf-8") as results:
+                results.write("".join(lines))
+        except OSError as error:  # a line cut here is dropped when the file is read again
+            cannot_write(results_path, error)
+        done.update(records)
         bar.update(len(indices))
 
     try:
@@ -399,12 +492,16 @@ if __name__ == "__main__":
         report += f", {judge_name} {judge_mean:.4f} ± {judge_stderr or 0:.4f}"
     summary.update(this_run={"prompts": len(todo), "seconds": seconds}, settings=settings, prompts=evaluated)
     partial = out / ".results.json.tmp"
-    partial.write_text(json.dumps(summary, indent=1, ensure_ascii=False), encoding="utf-8")
+    try:
+        partial.write_text(json.dumps(summary, indent=1, ensure_ascii=False), encoding="utf-8")
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        cannot_write(out / "results.json", error)
     partial.replace(out / "results.json")
     grid = [r for r in evaluated[: args.grid_images] if (out / "images" / f"{r['index']:05d}.png").is_file()]
     captions = [f"{r['score']:.2f}" + (f" ({judge_name} {r[f'{judge_name}_score']:.2f})" if judge_name else "") +
                 f" {r['target']}" for r in grid]
     if grid:
         images = np.stack([np.asarray(Image.open(out / "images" / f"{r['index']:05d}.png")) for r in grid])
-        Image.fromarray(captioned_grid(images, captions)).save(out / "grid.png")
+        save_image(captioned_grid(images, captions), out / "grid.png")
     print(f"{report} (mean ± standard error over {len(prompts)} prompts): {out / 'results.json'}, {out / 'grid.png'}")
