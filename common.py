@@ -692,7 +692,7 @@ class Run:
         state = self.state
         if self.main_process and self.stopped_by and state["iteration"]:
             save_last_iteration(self.dir, state, self.transformer, self.optimizer,
-                                self.args.keep_last)
+                                self.args.keep_last, self.stopped_by)
         if self.main_process:
             print(json.dumps(self.write_summary(), indent=1))
             # the first line named the run directory, many progress lines ago
