@@ -11,8 +11,10 @@ what stopped it, as it does when a checkpoint cannot be written (a full disk).
 """
 
 import fcntl
+import atexit
 import hashlib
 import io
+import itertools
 import json
 import os
 import pickle
@@ -137,9 +139,16 @@ def prepare_run(args, algorithm, world_size, main_process):
     """Before any model loads: the run directory, checked and (main process) locked, with a resume's checkpoint checked
     (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
     the checkpoint's. Returns (run directory, lock file to keep open or None)."""
+    check_run_name(args.run_name)  # first: resolve_latest reads it
     replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
-    run_dir = run_directory(args, f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}")
+    default_name = f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}"
+    created = False
+    if args.resume_from or args.run_name:
+        run_dir = run_directory(args, default_name)
+    else:
+        create = main_process and not args.dry_run
+        run_dir, created = unused_directory(Path(args.output_dir), default_name, create)
     if args.resume_from:
         adapters = Path(args.resume_from) / "adapters.safetensors"
         shapes = tensor_shapes(adapters)  # found before minutes of model loading
@@ -171,7 +180,36 @@ def prepare_run(args, algorithm, world_size, main_process):
         held_run(run_dir, bool(args.resume_from), args.overwrite or replace_unsaved)
         return run_dir, None
     replace = args.overwrite or replace_unsaved
-    return run_dir, claim_run_directory(run_dir, bool(args.resume_from), replace)
+    return run_dir, claim_run_directory(run_dir, bool(args.resume_from), replace, created)
+
+
+def check_run_name(name):
+    """RunError unless a given --run-name is one path component: an absolute one, or one with
+    "/" or "..", would put the run outside --output-dir."""
+    if not name:  # not given: the default name
+        return
+    if not name.strip() or "/" in name or name in (".", ".."):
+        raise RunError(f"--run-name {name!r}: not a directory name (one path component, not "
+                       "\".\" or \"..\"); the run directory is {output_dir}/{run_name}")
+
+
+def unused_directory(parent, name, create):
+    """(parent/name, or the first of parent/name__2, __3, ... that does not exist; whether this
+    call made it). Two runs started in the same second (a job array) then get one default name
+    each; with create, mkdir claims the name atomically, so two concurrent starts differ too."""
+    for count in itertools.count(1):
+        path = parent / (name if count == 1 else f"{name}__{count}")
+        if not create:
+            if not path.exists() and not path.is_symlink():
+                return path, False
+            continue
+        try:
+            path.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError:  # claim_run_directory names the error
+            return path, False
+        return path, True
 
 
 def resolve_latest(args, main_process):
@@ -255,10 +293,13 @@ def run_directory(args, default_name):
     return run_dir
 
 
-def claim_run_directory(run_dir, resuming, overwrite):
+def claim_run_directory(run_dir, resuming, overwrite, created=False):
     """Lock run_dir for this process (the returned open file holds the lock until the process ends), refuse one that
-    already holds a run unless resuming it or overwriting, and remove temporary checkpoints left by a killed run."""
+    already holds a run unless resuming it or overwriting, and remove temporary checkpoints left by a killed run.
+    created: the caller made run_dir for this start. A directory this start made is removed at exit
+    if it then holds only run.lock (the start failed before writing anything)."""
     try:
+        created = created or not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = open(run_dir / "run.lock", "a+")
     except OSError as error:
@@ -273,6 +314,8 @@ def claim_run_directory(run_dir, resuming, overwrite):
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()
+    if created:
+        atexit.register(remove_if_unused, run_dir, lock)
     for path in held_run(run_dir, resuming, overwrite):  # --overwrite
         if path.is_dir():
             shutil.rmtree(path)
@@ -283,6 +326,20 @@ def claim_run_directory(run_dir, resuming, overwrite):
     return lock
 
 
+def remove_if_unused(run_dir, lock):
+    """At exit: remove run_dir, made by this start, if it holds only our run.lock: a start that
+    failed before writing anything leaves no directory a rerun would have to name."""
+    if lock.closed:  # no longer ours: another start may hold the directory now
+        return
+    try:
+        if [p.name for p in run_dir.iterdir()] != ["run.lock"]:
+            return
+        (run_dir / "run.lock").unlink()
+        run_dir.rmdir()
+    except OSError:  # something appeared meanwhile, or it cannot be removed: left as it is
+        pass
+
+
 def held_run(run_dir, resuming, overwrite):
     """The files of a run already in run_dir that --overwrite replaces; RunError if it holds one and neither
     resuming nor overwriting."""
@@ -290,9 +347,11 @@ def held_run(run_dir, resuming, overwrite):
     if held and not overwrite:
         names = ", ".join(p.name for p in held[:3]) + (", ..." if len(held) > 3 else "")
         latest = checkpoints(run_dir)[-1:]
-        resume = f"--resume-from {latest[0]}" if latest else "--resume-from its latest global_step_N"
-        raise RunError(f"{run_dir} already holds a run ({names}): continue it with {resume}, replace it with "
-                       "--overwrite, or choose another --run-name")
+        if not latest:  # stopped before its first checkpoint: nothing to continue from
+            raise RunError(f"{run_dir} already holds a run ({names}), but it has no checkpoint to "
+                           "resume: replace it with --overwrite, or choose another --run-name")
+        raise RunError(f"{run_dir} already holds a run ({names}): continue it with --resume-from "
+                       f"{latest[0]}, replace it with --overwrite, or choose another --run-name")
     return held
 
 

@@ -1,0 +1,87 @@
+"""Run directories (issue 32 point 9): a --run-name stays inside --output-dir, default names of
+starts in the same second differ, a refusal says what is possible, a failed start leaves no
+directory, a finished run is not resumed again."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import checkpoint
+import crd
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def prepare(**fields):
+    """prepare_run of a crd run on one rank, as its main process."""
+    return checkpoint.prepare_run(crd.Args(**fields), "crd", 1, True)
+
+
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../up", "a/b", "..", ".", "  "])
+def test_a_run_name_is_one_path_component(tmp_path, name):
+    name = str(tmp_path / "elsewhere") if name == "ABSOLUTE" else name
+    for dry_run in (False, True):
+        with pytest.raises(checkpoint.RunError) as error:
+            prepare(output_dir=str(tmp_path / "runs"), run_name=name, dry_run=dry_run)
+        assert str(error.value).startswith(f"--run-name {name!r}: ")
+        assert "\n" not in str(error.value)
+    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "elsewhere").exists()
+    assert not (tmp_path / "up").exists()
+
+
+def test_default_names_of_starts_in_the_same_second_differ(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint.time, "time", lambda: 1700000000.5)
+    args = {"output_dir": str(tmp_path), "exp_name": "crd", "reward": "ocr", "seed": 3}
+    taken = tmp_path / "crd__ocr__3__1700000000"
+    taken.mkdir()
+    (taken / "events.out.tfevents.1").write_text("")
+    run_dir, lock = prepare(**args)
+    assert run_dir == tmp_path / "crd__ocr__3__1700000000__2"
+    assert (run_dir / "run.lock").is_file()
+    lock.close()
+    dry_dir, _ = prepare(**args, dry_run=True)
+    assert dry_dir == tmp_path / "crd__ocr__3__1700000000__3"
+    assert not dry_dir.exists()
+    assert sorted(p.name for p in taken.iterdir()) == ["events.out.tfevents.1"]
+
+
+def test_a_run_without_a_checkpoint_is_not_told_to_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.out.tfevents.1").write_text("")
+    (run_dir / "summary.json").write_text(json.dumps({"iterations": 0}))
+    for dry_run in (False, True):
+        with pytest.raises(checkpoint.RunError) as error:
+            prepare(output_dir=str(tmp_path), run_name="run", dry_run=dry_run)
+        message = str(error.value)
+        assert "--resume-from" not in message
+        assert message.endswith("it has no checkpoint to resume: replace it with --overwrite, "
+                                "or choose another --run-name")
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path):
+    (tmp_path / "few.txt").write_text('A sign that reads "Open"\n')
+    run_dir = tmp_path / "runs" / "run"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "crd.py"), "--train-data", str(tmp_path / "few.txt"),
+         "--eval-data", str(ROOT / "tests/data/ocr/test.txt"), "--prompts-per-rank", "4",
+         "--output-dir", str(tmp_path / "runs"), "--run-name", "run", "--device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert re.search(r"--train-data .*few\.txt: 1 prompt\(s\), fewer than", result.stderr)
+    assert not run_dir.exists()
+    # a directory that was there before the start is left, lock and all
+    run_dir.mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("mine")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "crd.py"), "--train-data", str(tmp_path / "few.txt"),
+         "--eval-data", str(ROOT / "tests/data/ocr/test.txt"), "--prompts-per-rank", "4",
+         "--output-dir", str(tmp_path / "runs"), "--run-name", "run", "--device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt", "run.lock"]
