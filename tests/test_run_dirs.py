@@ -1,6 +1,6 @@
 """Run directories (issue 32 point 9): a --run-name stays inside --output-dir, default names of
 starts in the same second differ, a refusal says what is possible, a failed start leaves no
-directory, a finished run is not resumed again."""
+directory."""
 
 import json
 import re
