@@ -3,7 +3,12 @@
 A scorer maps images and their target strings to scores in [0, 1] and the transcriptions it read:
     scorer = make_scorer("paddle")                   # or "qwen-vl", "vllm", "brightness", "compressibility"
     scores, texts = scorer(images, targets)          # images: (B, H, W, 3) uint8 or PIL list -> (B,) float32, B strings
-This module holds no algorithm logic (no advantages or losses): it is part of the "environment".
+Judges (make_judges) add image-quality scorers (PickScore, the LAION aesthetic predictor) and the
+flat fraction, a weight-free sign of a blanked background: judge(images, targets, prompts).
+A reward mix (make_mix("qwen-vl=0.8 pickscore=0.2")) scores each component, (B, K), and
+mix_advantages combines them by Flow-Factory's two aggregations around the trainer's own
+normalisation. This module holds no loss and no advantage formula of its own: it is part of the
+"environment".
 Heavy libraries (torch, transformers, rapidocr, requests) are imported only when a scorer is built.
 """
 
@@ -78,7 +83,10 @@ def ocr_score(text: str, target: str) -> float:
 
 class Scorer(Protocol):
     def __call__(self, images: np.ndarray | list[Image.Image], targets: list[str]) -> tuple[np.ndarray, list[str]]:
-        """Scores (B,) float32 in [0, 1] and the B transcriptions for B images and their B target strings."""
+        """Scores (B,) float32 in [0, 1] and the B transcriptions for B images and their B target strings.
+
+        PickScore takes the B prompts instead of the targets, the aesthetic and flat judges
+        ignore them; their scores are the anchors' numbers, not all in [0, 1] (see make_judge)."""
         ...
 
 
@@ -291,14 +299,17 @@ class GuardedScorer:
     def __init__(self, scorer: Scorer):
         self.scorer, self.failure = scorer, None
 
-    def __call__(self, images, targets):
+    def __call__(self, images, targets, *prompts):
+        """prompts: passed on when given (a Judge, a MixScorer); a MixScorer's NaNs are (B, K)."""
         try:
-            return self.scorer(images, targets)
+            return self.scorer(images, targets, *prompts)
         except Exception as error:
             if not isinstance(error, ServerError):
                 traceback.print_exc()
             self.failure = self.failure or f"the reward failed: {error if isinstance(error, ServerError) else repr(error)}"
-            return np.full(len(targets), np.nan, dtype=np.float32), [""] * len(targets)
+            names = getattr(self.scorer, "names", None)  # a MixScorer's
+            shape = (len(targets), len(names)) if names else len(targets)
+            return np.full(shape, np.nan, dtype=np.float32), [""] * len(targets)
 
 
 class ScoringThread:
@@ -316,8 +327,10 @@ class ScoringThread:
         """The first failure of a GuardedScorer, in one line; None while it has not failed."""
         return getattr(self.scorer, "failure", None)
 
-    def submit(self, images, targets) -> None:
-        self.pending.append(self.executor.submit(self._score, images, targets))
+    def submit(self, images, targets, prompts=None) -> None:
+        """prompts: for a Judge or a MixScorer (PickScore reads them); plain scorers take none."""
+        extra = () if prompts is None else (prompts,)
+        self.pending.append(self.executor.submit(self._score, images, targets, *extra))
 
     def take(self, jobs: int | None = None) -> tuple[np.ndarray, list[str]]:
         """Scores (N,) and transcriptions of the first `jobs` jobs not yet taken (all: None), in order."""
@@ -332,9 +345,9 @@ class ScoringThread:
         """Drop the jobs not started yet (a signal ends the program)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    def _score(self, images, targets):
+    def _score(self, images, targets, *prompts):
         started = time.perf_counter()
-        scores, texts = self.scorer(images, targets)
+        scores, texts = self.scorer(images, targets, *prompts)
         return scores, texts, time.perf_counter() - started
 
 
@@ -372,6 +385,437 @@ def make_scorer(name: str, *, device: str = "cpu", model_path: str = "Qwen/Qwen2
     if name in ("brightness", "compressibility"):
         return brightness if name == "brightness" else compressibility
     raise ValueError(f"unknown scorer {name!r}; choose one of {SCORERS}")
+
+
+# ---- image-quality judges ----------------------------------------------------------------------
+
+PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"  # a CLIP-H/14 tuned on Pick-a-Pic preferences
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"  # its tokenizer, image processor
+PICKSCORE_SCALE = 26.0  # the anchors divide PickScore by 26 to bring it near [0, 1]
+AESTHETIC_CLIP = "openai/clip-vit-large-patch14"  # the CLIP whose embeddings the LAION head reads
+AESTHETIC_HEAD = "sac+logos+ava1-l14-linearMSE.pth"  # the LAION head's file name
+AESTHETIC_WIDTHS = (1024, 128, 64, 16, 1)  # the head's layer widths after the embedding
+READERS = ("qwen-vl", "vllm", "paddle")  # the scorers that transcribe text
+JUDGES = ("paddle", "qwen-vl", "vllm", "pickscore", "aesthetic", "flat", "brightness",
+          "compressibility")
+AGGREGATIONS = ("sum", "gdpo")  # Flow-Factory's advantage_aggregation
+
+
+class ClipModel:
+    """A transformers CLIPModel in float32 with the PIL CLIP image processor (and the tokenizer)
+    of `processor_path`; `what` names it in errors ("the PickScore model").
+
+    The processor is CLIPImageProcessorPil, not AutoProcessor's pick: transformers 5 picks a
+    torchvision backend where torchvision is installed (GPU machines with vLLM) and the PIL one
+    elsewhere, which need not resize alike. The PIL one is transformers 4's CLIPProcessor, which
+    Flow-GRPO ran; here it runs on every machine.
+    """
+
+    def __init__(self, model_path: str, processor_path: str, device: str, batch_size: int,
+                 what: str, tokenizer: bool = True):
+        import torch
+        from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
+
+        from rollout import check_model_path
+
+        check_model_path(model_path, what, "config.json", "a transformers model")
+        check_model_path(processor_path, f"{what}'s processor", "preprocessor_config.json",
+                         "an image processor")
+        try:
+            self.image_processor = CLIPImageProcessorPil.from_pretrained(processor_path)
+            self.tokenizer = CLIPTokenizer.from_pretrained(processor_path) if tokenizer else None
+            model = CLIPModel.from_pretrained(model_path, dtype=torch.float32)
+        except (OSError, ValueError) as e:  # hub errors are OSErrors, a malformed id a ValueError
+            raise RuntimeError(
+                f"could not load {what} from {model_path!r} (processor {processor_path!r}): {e}\n"
+                "Offline, download it and pass its local directory.") from e
+        self.device, self.batch_size = torch.device(device), batch_size
+        self.model = model.to(self.device).eval()
+        # a high-priority stream, as QwenVLScorer's: the trainers score while the GPU is busy
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+
+    def pixel_values(self, images: list[Image.Image]):
+        """Short side to 224 (bicubic), centre crop 224x224, scaled to [0, 1], CLIP mean/std."""
+        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        return pixels.to(self.device)
+
+    def tokens(self, texts: list[str]) -> dict:
+        """Padded to the longest, cut to CLIP's 77 positions (the end token kept)."""
+        inputs = self.tokenizer(texts, padding=True, truncation=True, max_length=77,
+                                return_tensors="pt")
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    def image_features(self, images: list[Image.Image]):
+        """The projected image embeddings (B, D), not normalised."""
+        return self.model.get_image_features(pixel_values=self.pixel_values(images)).pooler_output
+
+    def text_features(self, texts: list[str]):
+        """The projected text embeddings (B, D) at each text's end token, not normalised."""
+        return self.model.get_text_features(**self.tokens(texts)).pooler_output
+
+    def chunks(self, *lists):
+        """The lists cut into batches of batch_size, zipped."""
+        for i in range(0, len(lists[0]), self.batch_size):
+            yield [items[i : i + self.batch_size] for items in lists]
+
+
+class PickScoreScorer:
+    """PickScore (Kirstain et al. 2023): exp(logit_scale) * cos(text, image) / 26, PickScore's CLIP.
+
+    As Flow-GRPO's flow_grpo/pickscore_scorer.py: the processor and model (lines 8-13), images
+    and padded prompts cut to 77 tokens (19-34), both embeddings L2-normalised (38-42), the
+    scaled cosine divided by 26 (45-49); Flow-Factory's src/flow_factory/rewards/pick_score.py
+    is the same (47-50, 58-84, 138). Called as scorer(images, prompts): it reads the whole
+    prompt, not the quoted target. Scores (B,) float32; 26 x a score is the PickScore of the
+    papers' tables.
+    """
+
+    def __init__(self, model_path: str = PICKSCORE_MODEL, processor_path: str = PICKSCORE_PROCESSOR,
+                 device: str = "cpu", batch_size: int = 32):
+        self.clip = ClipModel(model_path, processor_path, device, batch_size, "the PickScore model")
+
+    def __call__(self, images, prompts):
+        import torch
+        from torch.nn.functional import normalize
+
+        images = _to_pil(images)
+        if len(images) != len(prompts):
+            raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
+        scores = []
+        with torch.inference_mode(), torch.cuda.stream(self.clip.stream):
+            scale = self.clip.model.logit_scale.exp()
+            for image_chunk, prompt_chunk in self.clip.chunks(images, list(prompts)):
+                image = normalize(self.clip.image_features(image_chunk), dim=-1)
+                text = normalize(self.clip.text_features(prompt_chunk), dim=-1)
+                scores.append((scale * (image * text).sum(-1) / PICKSCORE_SCALE).float().cpu())
+        scores = torch.cat(scores).numpy() if scores else np.zeros(0, np.float32)
+        return scores, [""] * len(images)
+
+
+def aesthetic_head(in_features: int = 768):
+    """The LAION improved-aesthetic-predictor's MLP, 768 -> 1024 -> 128 -> 64 -> 16 -> 1, linear.
+
+    Its checkpoint's keys are `layers.{0,2,4,6,7}`: the layers between were dropouts, the identity
+    at inference, kept here as nn.Identity placeholders (no weights) to load the file as it is.
+    """
+    import torch.nn as nn
+
+    widths = (in_features, *AESTHETIC_WIDTHS)
+    layers = []
+    for i, (n_in, n_out) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(n_in, n_out))
+        if i < 3:  # the trained model's dropouts after the first three layers
+            layers.append(nn.Identity())
+    head = nn.Module()
+    head.layers = nn.Sequential(*layers)
+    return head
+
+
+class AestheticScorer:
+    """The LAION aesthetic predictor (improved-aesthetic-predictor's sac+logos+ava1-l14-linearMSE
+    head) on CLIP ViT-L/14 image embeddings.
+
+    As Flow-GRPO's flow_grpo/aesthetic_scorer.py: CLIP ViT-L/14 and its processor (lines 35-36),
+    the head (13-25, loaded at 38-41), the L2-normalised image embedding read by the head
+    (48-53). Reads images only. Scores (B,) float32: the predicted rating on AVA's 1-10 scale,
+    as Flow-GRPO logs it (not in [0, 1]). head_path: the head's .pth file (AESTHETIC_HEAD, from
+    christophschuhmann/improved-aesthetic-predictor, also in yifan123/flow_grpo's assets).
+    """
+
+    def __init__(self, model_path: str = AESTHETIC_CLIP, head_path: str | None = None,
+                 device: str = "cpu", batch_size: int = 32):
+        import torch
+
+        if head_path is None or not Path(head_path).is_file():
+            where = "no such file" if head_path else "no file given"
+            raise RuntimeError(
+                f"the aesthetic head {head_path or ''}: {where}; it is {AESTHETIC_HEAD} of "
+                "christophschuhmann/improved-aesthetic-predictor (also in yifan123/flow_grpo, "
+                "flow_grpo/assets/)")
+        self.clip = ClipModel(model_path, model_path, device, batch_size, "the aesthetic CLIP",
+                              tokenizer=False)
+        width = self.clip.model.config.projection_dim
+        head = aesthetic_head(width)
+        try:
+            head.load_state_dict(torch.load(head_path, map_location="cpu", weights_only=True))
+        except Exception as e:  # not a state dict, another layout or width
+            raise RuntimeError(f"the aesthetic head {head_path}: not a LAION aesthetic MLP for "
+                               f"{width}-d embeddings: {e}") from e
+        self.head = head.to(self.clip.device).eval()
+
+    def __call__(self, images, prompts=None):
+        import torch
+        from torch.nn.functional import normalize
+
+        images = _to_pil(images)
+        scores = []
+        with torch.inference_mode(), torch.cuda.stream(self.clip.stream):
+            for (chunk,) in self.clip.chunks(images):
+                embedding = normalize(self.clip.image_features(chunk), dim=-1)
+                scores.append(self.head.layers(embedding)[:, 0].float().cpu())
+        scores = torch.cat(scores).numpy() if scores else np.zeros(0, np.float32)
+        return scores, [""] * len(images)
+
+
+def flat_fraction(images, targets=None, patch: int = 8,
+                  threshold: float = 4.0) -> tuple[np.ndarray, list[str]]:
+    """The fraction of the image in flat tiles: patch x patch tiles whose pixels have a standard
+    deviation of at most `threshold` (of 255) in every RGB channel. Targets are ignored.
+
+    A weight-free sign of the background-blanking hack, where an OCR reward teaches a model to
+    draw the text on an empty page: text on a uniform background scores near 1 (only the tiles
+    the strokes cross are not flat), a photograph's texture near 0 (a clear sky or a plain wall
+    counts as flat). Higher is more blanked: a judge to watch, not a reward to raise. The image
+    is cut to whole tiles from its top-left corner.
+    """
+    scores = []
+    for image in _to_pil(images):
+        pixels = np.asarray(image, dtype=np.float32)
+        rows, cols = pixels.shape[0] // patch, pixels.shape[1] // patch
+        if not rows or not cols:
+            raise ValueError(f"a {pixels.shape[1]}x{pixels.shape[0]} image has no "
+                             f"{patch}x{patch} tile")
+        tiles = pixels[: rows * patch, : cols * patch].reshape(rows, patch, cols, patch, 3)
+        flat = tiles.std(axis=(1, 3)).max(-1) <= threshold  # (rows, cols)
+        scores.append(flat.mean())
+    return np.array(scores, dtype=np.float32), [""] * len(scores)
+
+
+class Judge:
+    """A named scorer that knows what it reads: `reads` is "target" (the OCR scorers), "prompt"
+    (PickScore) or "image" (aesthetic, flat, brightness, compressibility). judge(images, targets,
+    prompts) gives (B,) float32 scores and B transcriptions ("" where it reads no text).
+    higher_is_better is False for flat, the one to keep low. Log it as eval/<name>."""
+
+    def __init__(self, name: str, scorer: Scorer, reads: str = "target",
+                 higher_is_better: bool = True):
+        self.name, self.scorer, self.reads = name, scorer, reads
+        self.higher_is_better = higher_is_better
+
+    def __call__(self, images, targets=None, prompts=None):
+        texts = prompts if self.reads == "prompt" else targets
+        if texts is None and self.reads != "image":
+            raise ValueError(f"the {self.name} judge reads the {self.reads}s: pass them")
+        return self.scorer(images, [""] * len(images) if texts is None else texts)
+
+    def __repr__(self) -> str:
+        return f"Judge({self.name!r}, reads={self.reads!r})"
+
+
+def make_judge(name: str, *, device: str = "cpu", batch_size: int = 32,
+               pickscore_model: str = PICKSCORE_MODEL,
+               pickscore_processor: str = PICKSCORE_PROCESSOR,
+               aesthetic_model: str = AESTHETIC_CLIP, aesthetic_head_path: str | None = None,
+               **scorer_options) -> Judge:
+    """The judge `name` (one of JUDGES); models are loaded here, once.
+
+    The OCR scorers are make_scorer's (scorer_options: model_path, urls, max_new_tokens, timeout,
+    max_retries); device and batch_size are theirs and the CLIP judges' (where they run, images
+    per forward). aesthetic_head_path: the LAION head's file (AestheticScorer).
+    """
+    if name == "pickscore":
+        scorer = PickScoreScorer(pickscore_model, pickscore_processor, device, batch_size)
+        return Judge(name, scorer, reads="prompt")
+    if name == "aesthetic":
+        scorer = AestheticScorer(aesthetic_model, aesthetic_head_path, device, batch_size)
+        return Judge(name, scorer, reads="image")
+    if name == "flat":
+        return Judge(name, flat_fraction, reads="image", higher_is_better=False)
+    if name in SCORERS:
+        scorer = make_scorer(name, device=device, batch_size=batch_size, **scorer_options)
+        return Judge(name, scorer, reads="target" if name in READERS else "image")
+    raise ValueError(f"unknown judge {name!r}; choose from {', '.join(JUDGES)}")
+
+
+def make_judges(names, **options) -> list[Judge]:
+    """The judges `names` in order (e.g. ["paddle", "pickscore", "flat"]; ["none"]: none);
+    options go to make_judge. An unknown name or one listed twice is an error before any model
+    is loaded."""
+    names = list(names)
+    if names == ["none"]:
+        return []
+    for i, name in enumerate(names):
+        if name not in JUDGES:
+            raise ValueError(f"unknown judge {name!r}; choose from {', '.join(JUDGES)}, "
+                             "or none alone")
+        if name in names[:i]:
+            raise ValueError(f"judge {name!r} is listed twice")
+    return [make_judge(name, **options) for name in names]
+
+
+# ---- a weighted mix of rewards -----------------------------------------------------------------
+
+
+def parse_mix(spec) -> dict[str, float]:
+    """{name: weight} of a mix spec, in its order: "qwen-vl=0.8 pickscore=0.2", or a list of such
+    items (["qwen-vl=0.8", "pickscore=0.2"]); commas separate too. A bare name weighs 1, so
+    "qwen-vl" is today's single reward. A weight is any finite number but 0 (a negative one
+    penalises: flat=-0.5). A ValueError names the first bad item in one line."""
+    items = [spec] if isinstance(spec, str) else list(spec)
+    items = [item for part in items for item in re.split(r"[\s,]+", part) if item]
+    if not items:
+        raise ValueError("empty reward mix: give at least one reward, e.g. qwen-vl or "
+                         "qwen-vl=0.8 pickscore=0.2")
+    weights: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if name not in JUDGES:
+            raise ValueError(f"reward mix item {item!r}: unknown reward {name!r}; choose from "
+                             f"{', '.join(JUDGES)}")
+        if name in weights:
+            raise ValueError(f"reward mix item {item!r}: {name} is listed twice")
+        try:
+            weight = float(value) if sep else 1.0
+        except ValueError:
+            weight = None
+        if weight is None or not np.isfinite(weight) or weight == 0:
+            raise ValueError(f"reward mix item {item!r}: the weight must be a finite number "
+                             f"other than 0, as in {name}=0.5")
+        weights[name] = weight
+    return weights
+
+
+def format_mix(weights: dict[str, float]) -> str:
+    """The canonical spec of a mix ("qwen-vl=0.8 pickscore=0.2"); one reward of weight 1 is its
+    bare name, so a one-reward run is named as today. parse_mix(format_mix(w)) == w."""
+    if len(weights) == 1 and next(iter(weights.values())) == 1.0:
+        return next(iter(weights))
+    numbers = {name: repr(float(weight)) for name, weight in weights.items()}  # shortest exact
+    return " ".join(f"{name}={n[:-2] if n.endswith('.0') else n}" for name, n in numbers.items())
+
+
+class MixScorer:
+    """The components of a reward mix, each a Judge, scored on the same images:
+    mix(images, targets, prompts) gives (B, K) float32 scores, a column per component in `names`
+    order, and the transcriptions of the first component that reads text (qwen-vl, vllm,
+    paddle; else ""). The components run at once, a thread each, so that a reward server and an
+    in-process model overlap. weights: {name: weight}, as parse_mix gives them."""
+
+    def __init__(self, judges: list[Judge], weights: dict[str, float]):
+        if [judge.name for judge in judges] != list(weights):
+            raise ValueError(f"judges {[j.name for j in judges]} do not match the weights "
+                             f"{list(weights)}")
+        self.judges, self.weights, self.names = judges, dict(weights), list(weights)
+        self.pool = ThreadPoolExecutor(len(judges)) if len(judges) > 1 else None
+
+    def __call__(self, images, targets, prompts=None):
+        images = _to_pil(images)
+        if self.pool is None:
+            results = [self.judges[0](images, targets, prompts)]
+        else:
+            futures = [self.pool.submit(judge, images, targets, prompts) for judge in self.judges]
+            results = [future.result() for future in futures]
+        scores = np.stack([np.asarray(s, dtype=np.float32) for s, _ in results], axis=1)
+        read = [texts for judge, (_, texts) in zip(self.judges, results) if judge.name in READERS]
+        return scores, read[0] if read else [""] * len(images)
+
+    @property
+    def spec(self) -> str:
+        return format_mix(self.weights)
+
+
+def make_mix(spec, **options) -> MixScorer:
+    """The reward mix of `spec` (parse_mix's syntax), each component make_judge(name, **options)."""
+    weights = parse_mix(spec)
+    return MixScorer([make_judge(name, **options) for name in weights], weights)
+
+
+def weighted_sum(rewards, weights):
+    """sum_k w_k r_k: rewards (N, K) torch, K weights -> (N,) in the rewards' dtype. One reward
+    of weight 1 gives its column bit for bit (x * 1.0 and a sum of one term are exact).
+    Flow-Factory's weighted sum: src/flow_factory/advantage/advantage_processor.py, 361-366."""
+    import torch
+
+    weights = torch.as_tensor(list(weights), dtype=rewards.dtype, device=rewards.device)
+    if rewards.ndim != 2 or rewards.shape[1] != len(weights):
+        raise ValueError(f"rewards {tuple(rewards.shape)} need one column per weight "
+                         f"({len(weights)})")
+    return (rewards * weights).sum(1)
+
+
+def group_standardize(rewards, group_size: int, floor: float = 1e-6):
+    """(r - group mean) / max(group std, floor) of one reward (N,), with groups of group_size
+    consecutive images and the population std: GDPO's per-reward normalisation as Flow-Factory
+    writes it (advantage_processor.py, lines 457-464). A constant group gives zeros."""
+    groups = rewards.reshape(-1, group_size)
+    std = groups.std(1, unbiased=False, keepdim=True).clamp_min(floor)
+    return ((groups - groups.mean(1, keepdim=True)) / std).flatten()
+
+
+def mix_advantages(rewards, weights, group_size: int, normalize, aggregation: str = "sum"):
+    """Advantages (N,) of a reward mix; rewards (N, K) torch, every image of the iteration.
+
+    Flow-Factory's two aggregations (advantage_aggregation: sum | gdpo; dispatched in
+    src/flow_factory/advantage/advantage_processor.py, lines 133-137):
+      sum:  normalize(sum_k w_k r_k), the weighted reward normalised as one reward is
+            (compute_weighted_sum, lines 361-386); a reward of a larger scale weighs more.
+      gdpo: normalize(sum_k w_k z_k), z_k = group_standardize(r_k) (compute_gdpo, lines
+            455-470); each reward counts by its weight whatever its scale.
+    normalize: the trainer's own advantages of one reward, (N,) -> (N,), e.g.
+    lambda r: group_advantages(r, group_size, global_std, adv_clip); the advantage formula
+    stays in the trainer. With one reward of weight 1, sum gives normalize(rewards[:, 0]) bit
+    for bit: today's advantages. gdpo's last step in Flow-Factory is a batch normalisation,
+    (c - mean) / std over all images (lines 469-470); c is centred in every group already, so a
+    normalize by the global std is that step (but for its epsilon), then the trainer's clip.
+    With the per-group std, each group is divided by its own std instead.
+    """
+    import torch
+
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
+                         f"{', '.join(AGGREGATIONS)}")
+    weights = list(weights)
+    if aggregation == "sum":
+        return normalize(weighted_sum(rewards, weights))
+    standardized = [group_standardize(rewards[:, k], group_size) for k in range(rewards.shape[1])]
+    return normalize(weighted_sum(torch.stack(standardized, 1), weights))
+
+
+def component_means(rewards, names) -> dict[str, float]:
+    """{name: the mean of its column} of (N, K) rewards, for train/reward_<name>."""
+    return {name: float(rewards[:, k].double().mean()) for k, name in enumerate(names)}
+
+
+# ---- tiny random CLIP models for the tests -----------------------------------------------------
+
+
+def build_tiny_clip(out_dir: str | Path, projection_dim: int = 16, logit_scale: float = 2.0,
+                    seed: int = 0) -> Path:
+    """Save a random tiny CLIPModel (224-pixel images in 32-pixel patches, 2 layers of width
+    32), a byte-level CLIP tokenizer (no merges) and CLIP's image processor to out_dir, which
+    PickScoreScorer(out_dir, out_dir) and AestheticScorer(out_dir, head) then load through the
+    from_pretrained calls that load the real models. logit_scale: the log of the logit scale
+    (the real PickScore's exp is ~100; 2.0 tells a test whether it is exponentiated)."""
+    import torch
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
+
+    chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    tokenizer = CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[])
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    text = dict(vocab_size=len(tokenizer), max_position_embeddings=77, **layers, **ids)
+    vision = dict(image_size=224, patch_size=32, **layers)
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim,
+                        logit_scale_init_value=logit_scale)
+    torch.manual_seed(seed)
+    CLIPModel(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    CLIPImageProcessorPil().save_pretrained(out_dir)  # CLIP's: 224 bicubic, crop 224, mean/std
+    return Path(out_dir)
+
+
+def save_random_aesthetic_head(path: str | Path, in_features: int = 16, seed: int = 0) -> Path:
+    """A random LAION-layout aesthetic head for in_features-d embeddings, saved as the real one
+    is (a state dict)."""
+    import torch
+
+    torch.manual_seed(seed)
+    torch.save(aesthetic_head(in_features).state_dict(), path)
+    return Path(path)
 
 
 def _random_qwen_vl(spec: dict, device="cpu", dtype=None):
