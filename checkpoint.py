@@ -452,14 +452,16 @@ def save_last_iteration(run_dir, state, transformer, optimizer, keep_last, stopp
     sys.exit(f"{Path(sys.argv[0]).name}: error: {failure}")
 
 
-def summary_of_state(run_dir, state, stopped_by):
+def summary_of_state(run_dir, state, stopped_by, device=None):
     """write_summary of a trainer's state (start_state's: it holds the run's Args, algorithm and
-    world size), as the trainer writes it at its end."""
+    world size), as the trainer writes it at its end; `device`: the actor's (default: its --device,
+    as the trainers name it)."""
     args = SimpleNamespace(**state["args"])
     world_size = state["world_size"]
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # as the trainers name it
+    if device is None:
+        device = torch.device(args.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
     images = world_size * args.prompts_per_rank * args.group_size
     return write_summary(run_dir, state, args, state["algorithm"], world_size, images, stopped_by,

@@ -33,9 +33,9 @@ from tensorboard.summary.writer import record_writer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (GracefulStop, RunError, actor_peak_memory, checkpoints, other_gpus_memory,
-                        prepare_run, prompt_files_sha256, save_checkpoint, save_last_iteration,
-                        start_state, write_summary)
+from checkpoint import (GracefulStop, RunError, actor_peak_memory, checkpoints, prepare_run,
+                        prompt_files_sha256, save_checkpoint, save_last_iteration, start_state,
+                        summary_of_state)
 from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
 from reward import SCORERS, GuardedScorer, ScoringThread, check_reward_model, make_scorer
@@ -221,10 +221,13 @@ record_writer.masked_crc32c = masked_crc32c
 
 @contextmanager
 def loading_errors_as_one_line():
-    """A prompt file, model or reward server that cannot be read ends the program with one line."""
+    """A prompt file, model or reward server that cannot be read ends the program with one line;
+    a failed allocation goes on to Run's line, which names the phase and the flags."""
     try:
         yield
     except (DataError, OSError, RuntimeError) as error:
+        if out_of_memory(error):
+            raise
         fail(error)
 
 
@@ -479,8 +482,9 @@ class Validation:
 
 
 def out_of_memory(error):
-    """Whether an exception is a failed allocation: CUDA's, or the CPU allocator's."""
-    if isinstance(error, torch.OutOfMemoryError):
+    """Whether an exception is a failed allocation: CUDA's, or the CPU allocator's (torch's or
+    Python's)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
@@ -491,6 +495,31 @@ def memory_in_use(device):
         return f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use on {device}"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     return f"{peak:.1f} GiB peak resident memory on the CPU"
+
+
+def one_line_on_out_of_memory(device, phase, remedy, keep):
+    """From now on, an allocation that fails ends the program with one line on stderr:
+    `{script}: error: out of memory in {phase()} ({memory in use}): {remedy}; {keep(stopped_by)}`,
+    keep saving what it can and saying what is kept. Any other exception keeps its traceback."""
+    excepthook = sys.excepthook
+
+    def hook(kind, error, trace):
+        if not out_of_memory(error):
+            return excepthook(kind, error, trace)
+        traceback.clear_frames(trace)  # the failed step's tensors go
+        stopped_by = f"out of memory in {phase()} ({memory_in_use(device)})"
+        kept = keep(stopped_by)
+        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: {remedy}; {kept}", file=sys.stderr,
+              flush=True)
+        if dist.is_initialized():
+            os._exit(1)  # the other ranks wait in a collective: torchrun ends them
+
+    sys.excepthook = hook
+
+
+TRAINER_MEMORY_FLAGS = ("lower --forward-batch-size or --policy-timesteps-per-forward, or add "
+                        "--gradient-checkpointing or move the text encoders with "
+                        "--text-encoder-device")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -525,8 +554,8 @@ class Run:
         self.phase = "loading the models"  # None: an iteration's, told by its timer's laps
         self.iteration_timer = None
         self.steps_when_saved = None  # the optimizer steps of the last completed iteration
-        self.excepthook = sys.excepthook
-        sys.excepthook = self.out_of_memory_hook
+        one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
+                                  self.keep_after_out_of_memory)
 
     def read_inputs(self):
         """(train prompts, eval prompts), the model paths checked; --dry-run exits here."""
@@ -568,7 +597,6 @@ class Run:
         self.state = state
         self.transformer = transformer
         self.optimizer = optimizer
-        self.images_per_rank = args.prompts_per_rank * args.group_size
         self.steps_when_saved = state["optimizer_steps"]
         self.phase = None
         return state
@@ -645,16 +673,11 @@ class Run:
             save_last_iteration(self.dir, self.state, self.transformer, self.optimizer,
                                 self.args.keep_last)
 
-    def out_of_memory_hook(self, kind, error, trace):
-        """An allocation that failed ends the run with one line naming the phase, the memory in use
-        and the flags that lower it; the last completed iteration is saved, unless the failed one
+    def keep_after_out_of_memory(self, stopped_by):
+        """After a failed allocation: the last completed iteration is saved, unless the failed one
         had already stepped the optimizer (its checkpoint on disk stands then), and summary.json
-        says what stopped the run. Any other exception keeps its traceback."""
-        if not out_of_memory(error):
-            return self.excepthook(kind, error, trace)
-        traceback.clear_frames(trace)  # the failed iteration's tensors go
-        phase = self.phase or self.iteration_phase()
-        self.stopped_by = f"out of memory in {phase} ({memory_in_use(self.device)})"
+        says what stopped the run. Returns what is kept, in words."""
+        self.stopped_by = stopped_by
         state = self.state
         saved = None
         if self.main_process and state and state["iteration"]:
@@ -666,24 +689,18 @@ class Run:
                     print(f"{Path(sys.argv[0]).name}: error: {save_error}", file=sys.stderr)
             self.write_summary()
         latest = saved or (checkpoints(self.dir)[-1:] or [None])[0]
-        kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
-        print(f"{Path(sys.argv[0]).name}: error: {self.stopped_by}: lower --forward-batch-size or "
-              "--policy-timesteps-per-forward, or add --gradient-checkpointing or move the text "
-              f"encoders with --text-encoder-device; {kept}", file=sys.stderr, flush=True)
-        if self.world_size > 1:
-            os._exit(1)  # the other ranks wait in a collective: torchrun ends them
+        return f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
 
-    def iteration_phase(self):
+    def current_phase(self):
+        """Loading, a validation, or the rollout or training of the iteration under way."""
+        if self.phase:
+            return self.phase
         laps = self.iteration_timer.seconds if self.iteration_timer else {}
         part = "training" if "rollout_s" in laps else "rollout"
         return f"the {part} of iteration {self.state['iteration'] + 1}"
 
     def write_summary(self):
-        args = self.args
-        roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
-        summary = write_summary(self.dir, self.state, args, self.algorithm, self.world_size,
-                                self.world_size * self.images_per_rank, self.stopped_by,
-                                other_gpus_memory(self.device, roles))
+        summary = summary_of_state(self.dir, self.state, self.stopped_by, self.device)
         self.writer.close()
         return summary
 

@@ -36,7 +36,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from checkpoint import RunError, read_adapters
-from common import check_devices, fail
+from common import check_devices, fail, one_line_on_out_of_memory, out_of_memory
 from data import DataError, load_prompts
 from reward import SCORERS, ScoringThread, ServerError, make_scorer
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
@@ -44,6 +44,9 @@ from rollout import (add_lora_adapters, captioned_grid, check_model_path, compil
                      sample)
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
+# what an out-of-memory error advises: the flags that lower the peak of each phase
+MEMORY_FLAGS = ("lower --forward-batch-size (rows per transformer call) or --batch-size (the reward's batch), or move the "
+                "text encoders with --text-encoder-device or the reward model with --reward-device")
 # evaluate.py's protocol flags: {field: (the trainers' Args field, the recipe's value)}. A
 # checkpoint's run validated with its own values: the defaults when it is scored (else the recipe's)
 PROTOCOL = {"seed": ("eval_seed", 0), "num_steps": ("eval_steps", 40),
@@ -399,6 +402,25 @@ if __name__ == "__main__":
             path.unlink(missing_ok=True)  # a cut PNG would draw into a later grid
             cannot_write(path, error)
 
+    parts = []  # (indices, images) of the sampled parts of chunks not yet written, in order
+    bar = None  # the progress bar, once the models are loaded
+
+    def keep_scored(stopped_by):
+        """After a failed allocation: what was sampled before it is scored and written (unless the scorer is what
+        failed), and the scorers' other jobs are dropped; returns what is kept, in words."""
+        if parts and not phase.startswith("the scoring"):
+            try:
+                write(len(parts))
+            except Exception:  # a scorer that fails on them too leaves these prompts to the same command
+                pass
+        for thread in threads:
+            thread.cancel()
+        if bar:
+            bar.close()  # the line then starts a line of its own
+        return f"{len(done)} of {len(prompts)} prompts are scored in {results_path}; the same command continues"
+
+    phase = "loading the models"  # what an out-of-memory error names
+    one_line_on_out_of_memory(device, lambda: phase, MEMORY_FLAGS, keep_scored)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     if todo:
@@ -416,26 +438,29 @@ if __name__ == "__main__":
             judge = ScoringThread(make_scorer(judge_name)) if judge_name else None
             threads += [scorer, judge] if judge else [scorer]
         except (OSError, RuntimeError, ValueError, KeyError) as error:
+            if out_of_memory(error):
+                raise  # one_line_on_out_of_memory's line
             fail(str(error).splitlines()[0] if str(error) else repr(error))
         if args.compile and device.type == "cuda":
             compile_blocks(pipe.transformer)
             compile_decoder(pipe.vae)
         negative = negative_embeddings(pipe, args.max_sequence_length)
 
-    parts = []  # (indices, images) of the sampled parts of chunks not yet written, in order
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", desc="evaluating")
     started = time.perf_counter()
 
     def write(count):
         """Append the lines of the first `count` parts to results.jsonl once they are scored, after
         saving the images it keeps."""
+        global phase
         if not count:
             return
         taken = parts[:count]
         del parts[:count]
+        indices = [i for part, _ in taken for i in part]
+        phase = f"the scoring of prompts {indices[0]}-{indices[-1]}"
         scores, texts = scorer.take(count)
         judge_scores, judge_texts = judge.take(count) if judge else ([], [])
-        indices = [i for part, _ in taken for i in part]
         images = np.concatenate([part_images for _, part_images in taken])
         records = {}
         for j, i in enumerate(indices):
@@ -459,6 +484,7 @@ if __name__ == "__main__":
     try:
         for first in range(0, len(todo), args.batch_size):
             indices = todo[first : first + args.batch_size]
+            phase = f"the sampling of prompts {indices[0]}-{indices[-1]}"
             embeds, pooled = encode_prompts(pipe, [prompts[i] for i in indices], args.max_sequence_length)
             earlier = len(parts)  # the parts of earlier chunks: scored while this one samples
 

@@ -1,10 +1,12 @@
 """An allocation that fails ends a run with one line naming the phase, the memory in use and the
 flags that lower it; the last completed iteration is saved when the failed one had not stepped the
 optimizer yet, and summary.json says what stopped the run. The failure is made where the real one
-comes from: the n-th transformer call of a kind raises torch's OutOfMemoryError."""
+comes from: the n-th transformer call of a kind raises torch's OutOfMemoryError. evaluate.py's
+line names its phase and flags, and what it had sampled before is scored and kept."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,34 +21,42 @@ RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-
        "--num-iterations", "2", "--eval-every", "0", "--save-every", "10",
        "--max-sequence-length", "96", "--run-name", "run"]
 
-# Runs crd.py as __main__ with the n-th transformer forward of one kind (grad: the policy's;
-# no grad: the rollout's and the reference passes') raising CUDA's out-of-memory error.
-# Usage: python WRAPPER KIND N [crd.py arguments...]
+# Runs SCRIPT (crd.py, evaluate.py) as __main__ with the n-th call of one kind raising CUDA's
+# out-of-memory error: a transformer forward (grad: the policy's; no grad: the rollout's, the
+# reference passes' and evaluate.py's sampling), a score (the brightness reward's) or the loading
+# of the SD3 pipeline.
+# Usage: python WRAPPER SCRIPT KIND N [SCRIPT's arguments...]
 FAILING_ALLOCATION = """
 import runpy, sys, torch
 sys.path.insert(0, ".")
-import rollout
-kind, fail_at = sys.argv[1], int(sys.argv[2])
-calls = {"grad": 0, "no_grad": 0}
-forward = rollout.predict_velocity
-def failing(*args, **kwargs):
-    which = "grad" if torch.is_grad_enabled() else "no_grad"
-    calls[which] += 1
-    if which == kind and calls[which] == fail_at:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-    return forward(*args, **kwargs)
-rollout.predict_velocity = failing
+import reward, rollout
+script, kind, fail_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+calls = {"grad": 0, "no_grad": 0, "score": 0, "load": 0}
+def failing(which, function):
+    def call(*args, **kwargs):
+        calls[which] += 1
+        if which == kind and calls[which] == fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return function(*args, **kwargs)
+    return call
+forwards = {which: failing(which, rollout.predict_velocity) for which in ("grad", "no_grad")}
+def forward(*args, **kwargs):
+    return forwards["grad" if torch.is_grad_enabled() else "no_grad"](*args, **kwargs)
+rollout.predict_velocity = forward
 import common
-common.predict_velocity = failing
-sys.argv = ["crd.py", *sys.argv[3:]]
-runpy.run_path("crd.py", run_name="__main__")
+common.predict_velocity = forward
+reward.brightness = failing("score", reward.brightness)
+rollout.load_pipeline = failing("load", rollout.load_pipeline)
+sys.argv = [script, *sys.argv[4:]]
+runpy.run_path(script, run_name="__main__")
 """
 
 
-def run_failing(tmp_path, tiny_model_dir, kind, fail_at):
+def run_failing(tmp_path, tiny_model_dir, kind, fail_at, script="crd.py", args=None):
     wrapper = tmp_path / "failing_allocation.py"
     wrapper.write_text(FAILING_ALLOCATION)
-    cmd = [sys.executable, str(wrapper), kind, str(fail_at), *RUN, "--output-dir", str(tmp_path)]
+    args = args or [*RUN, "--output-dir", str(tmp_path)]
+    cmd = [sys.executable, str(wrapper), script, kind, str(fail_at), *args]
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -79,3 +89,43 @@ def test_out_of_memory_is_one_line_and_keeps_the_last_iteration(kind, fail_at, p
     if saved:
         state = json.loads((run / "global_step_1" / "trainer_state.json").read_text())
         assert state["iteration"] == 1 and state["optimizer_steps"] == 2
+
+
+def test_out_of_memory_while_loading_names_the_phase(tiny_model_dir, tmp_path):
+    result = run_failing(tmp_path, tiny_model_dir, "load", 1)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("crd.py: error: out of memory in loading the models (")
+    assert "--gradient-checkpointing" in line and line.endswith("no checkpoint was saved")
+
+
+EVALUATE = ["--eval-data", str(DATA / "test.txt"), "--num-prompts", "8", "--batch-size", "4",
+            "--model", "tiny", "--reward", "brightness", "--judge", "none", "--device", "cpu",
+            "--resolution", "64", "--num-steps", "10", "--name", "base"]
+
+
+@pytest.mark.parametrize("kind, fail_at, phase, kept", [
+    ("load", 1, "loading the models", 0),
+    # 10 steps of one transformer call per chunk of 4 prompts: the 15th is the second chunk's
+    ("no_grad", 15, "the sampling of prompts 4-7", 4),  # the first chunk, sampled, is scored
+    ("score", 2, "the scoring of prompts 4-7", 4),
+])
+def test_evaluate_out_of_memory_is_one_line_and_keeps_what_is_scored(kind, fail_at, phase, kept,
+                                                                     tiny_model_dir, tmp_path):
+    evaluate = [*EVALUATE, "--output-dir", str(tmp_path / "evals")]
+    result = run_failing(tmp_path, tiny_model_dir, kind, fail_at, "evaluate.py", evaluate)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    results = tmp_path / "evals" / "base" / "results.jsonl"
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"evaluate.py: error: out of memory in {phase} ("
+        + re.search(r"\(([\d.]+ GiB peak resident memory on the CPU)\)", result.stderr).group(1)
+        + "): lower --forward-batch-size (rows per transformer call) or --batch-size (the reward's"
+        " batch), or move the text encoders with --text-encoder-device or the reward model with "
+        f"--reward-device; {kept} of 8 prompts are scored in {results}; the same command continues")
+    lines = results.read_text().splitlines()[1:]
+    assert [json.loads(line)["index"] for line in lines] == list(range(kept))
+    again = subprocess.run([sys.executable, "evaluate.py", *evaluate], cwd=ROOT, timeout=300,
+                           env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)},
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{kept} of 8 prompts already scored" in again.stdout
