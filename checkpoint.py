@@ -103,6 +103,16 @@ class RunError(Exception):
     """A one-line error about the run directory, a checkpoint or a resume (the trainers print it and exit)."""
 
 
+class RunComplete(RunError):
+    """A resume of a run that has done all its --num-iterations: there is nothing to train. `exit_code`: 0 under
+    --resume-from latest, which a requeued job or a restart passes with the command that started the run; 1 for a
+    checkpoint named by hand (a rerun by mistake, refused like the others)."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def resume_changes(checkpoint_state, args, world_size, algorithm):
     """(refused, allowed): "name old -> new" for each setting that differs from the checkpoint's."""
     saved, current = checkpoint_state["args"], json.loads(json.dumps(vars(args)))  # tuples as the JSON's lists
@@ -140,6 +150,7 @@ def prepare_run(args, algorithm, world_size, main_process):
     (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
     the checkpoint's. Returns (run directory, lock file to keep open or None)."""
     check_run_name(args.run_name)  # first: resolve_latest reads it
+    latest = args.resume_from == LATEST
     replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
     default_name = f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}"
@@ -170,6 +181,10 @@ def prepare_run(args, algorithm, world_size, main_process):
                 raise RunError(f"{PROMPT_FILES[field]} {getattr(args, field)}: its contents changed since "
                                f"{Path(args.resume_from).name} (sha256 {recorded[field][:12]}... then, {now[:12]}... "
                                "now); a resume needs the same prompts (restore the file, or start a new run)")
+        if resumed["iteration"] == args.num_iterations:  # before the run directory is claimed: no new events file
+            raise RunComplete(f"{run_dir} is complete: its {Path(args.resume_from).name} has done all "
+                              f"{args.num_iterations} iterations (--num-iterations); to train it longer, resume it with "
+                              "a larger --num-iterations", 0 if latest else 1)
         if allowed and main_process:
             print(f"resuming with changed settings: {'; '.join(allowed)}", flush=True)
     if not main_process:

@@ -33,9 +33,9 @@ from tensorboard.summary.writer import record_writer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (GracefulStop, RunError, actor_peak_memory, checkpoints, prepare_run,
-                        prompt_files_sha256, save_checkpoint, save_last_iteration, start_state,
-                        summary_of_state)
+from checkpoint import (GracefulStop, RunComplete, RunError, actor_peak_memory, checkpoints,
+                        prepare_run, prompt_files_sha256, save_checkpoint, save_last_iteration,
+                        start_state, summary_of_state)
 from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
 from reward import SCORERS, GuardedScorer, ScoringThread, check_reward_model, make_scorer
@@ -538,6 +538,12 @@ class Run:
         self.main_process = self.rank == 0
         try:
             self.dir, self.lock = prepare_run(args, algorithm, self.world_size, self.main_process)
+        except RunComplete as complete:
+            if complete.exit_code:
+                fail(complete)
+            if self.main_process:
+                print(f"{Path(sys.argv[0]).name}: {complete}", flush=True)
+            sys.exit(0)  # --resume-from latest: a requeued job or a restart found nothing left
         except RunError as error:
             fail(error)
         self.signals = GracefulStop()  # on every rank, before the models load

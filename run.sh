@@ -156,7 +156,9 @@ fi
 trainer+=("$@")
 
 if $serve_reward; then
-  "$PYTHON" "${trainer[@]}" --dry-run  # a mistyped argument or prompt file must not wait minutes for a healthy server
+  checked=$("$PYTHON" "${trainer[@]}" --dry-run)  # a mistyped argument or prompt file must not wait minutes for a server
+  echo "$checked"
+  [[ $checked != *" is complete: "* ]] || exit 0  # RUN_NAME's run did all its iterations (a rerun, a requeued job)
   reward_gpus=$(seq -s, "$NUM_GPUS_ACTOR_ROLLOUT" $((needed - 1)))
   log="$OUTPUT_DIR/reward_server.log"
   if (( NNODES > 1 )); then
