@@ -39,9 +39,9 @@ from checkpoint import (GracefulStop, RunComplete, RunError, actor_peak_memory, 
 from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
 from reward import SCORERS, GuardedScorer, ScoringThread, check_reward_model, make_scorer
-from rollout import (CompileCache, captioned_grid, check_model_path, compile_blocks,
-                     compile_decoder, encode_prompts, images_per_call, predict_velocity, sample,
-                     use_adapter, warn_cut_targets)
+from rollout import (CompileCache, available_host_memory, captioned_grid, check_model_path,
+                     compile_blocks, compile_decoder, encode_prompts, images_per_call,
+                     predict_velocity, sample, use_adapter, warn_cut_targets)
 
 
 # ---- argument checks -------------------------------------------------------------------------
@@ -327,6 +327,70 @@ class TrainingRows:
                                 wait_each_chunk=wait and args is not None)
 
 
+# Values a transformer block keeps per token and hidden unit for its backward: 34 bytes at 16 bits
+# (Korthikanti et al. 2022, less the attention matrix, which fused attention does not keep). The
+# tiny model's policy forward keeps 1.5 MB a row, 17 of its float32 values per token and unit.
+ACTIVATIONS_PER_TOKEN = 17
+
+
+def iteration_memory(args, pipe, dtype):
+    """About the bytes an iteration holds at its peak for this rank's images: [(what, bytes, on
+    the host)]. The model, the optimizer and the work of the no-grad forwards come on top."""
+    config = pipe.transformer.config
+    size = dtype.itemsize
+    images = args.prompts_per_rank * args.group_size
+    rows = images * args.num_train_timesteps
+    side = args.resolution // pipe.vae_scale_factor
+    latent = config.in_channels * side**2  # values of one image's latents
+    text_tokens = pipe.tokenizer_max_length + args.max_sequence_length
+    tokens = (side // config.patch_size) ** 2 + text_tokens
+    hidden = config.num_attention_heads * config.attention_head_dim
+    layers = config.num_layers
+    kept = ACTIVATIONS_PER_TOKEN * layers
+    if args.gradient_checkpointing:  # each block's input, and one block's while it is recomputed
+        kept = layers + ACTIVATIONS_PER_TOKEN
+    policy_rows = args.train_batch_size * min(args.policy_timesteps_per_forward,
+                                              args.num_train_timesteps)
+    # a copy per training row while the reference and old passes run
+    return [("prompt embeddings", (images + rows) * text_tokens * config.joint_attention_dim * size,
+             False),
+            ("latents", images * latent * 4, False),
+            ("training rows and their reference and old velocities", rows * latent * (8 + 2 * size),
+             False),
+            ("decoded images", images * args.resolution**2 * 3, True),
+            (f"activations of a policy forward of {policy_rows} rows",
+             policy_rows * tokens * hidden * kept * size, False)]
+
+
+def memory_error(args, pipe, dtype, device):
+    """Why an iteration's images cannot fit this rank's memory (iteration_memory's estimate against
+    the memory there is), in one line, or None. Ranks on one host share its memory."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    pools = {}  # {where: [(what, bytes)]}
+    for what, size, on_host in iteration_memory(args, pipe, dtype):
+        where = "cpu" if on_host or device.type == "cpu" else "cuda"
+        pools.setdefault(where, []).append((what, size * (ranks_here if where == "cpu" else 1)))
+    for where, parts in pools.items():
+        if where == "cuda":  # what this process does not hold (the models): others' use may pass
+            have = torch.cuda.get_device_properties(device).total_memory
+            have -= torch.cuda.memory_reserved(device)
+            there = f"on {device}, which has {have / 2**30:.1f} GiB beside this process's models"
+        else:
+            have = available_host_memory()
+            ranks = f" for {ranks_here} ranks" if ranks_here > 1 else ""
+            there = f"of the CPU's memory{ranks}, which has {(have or 0) / 2**30:.1f} GiB available"
+        need = sum(size for _, size in parts)
+        if have is None or need <= have:
+            continue
+        counted = ", ".join(f"{what} {size / 2**30:.1f}" for what, size in parts)
+        return (f"--prompts-per-rank {args.prompts_per_rank} x --group-size {args.group_size} = "
+                f"{args.prompts_per_rank * args.group_size} images need about {need / 2**30:.1f} "
+                f"GiB {there} ({counted} GiB; the model and its other work come on top): lower "
+                "--group-size or --prompts-per-rank, or --policy-timesteps-per-forward, or add "
+                "--gradient-checkpointing")
+    return None
+
+
 class PhaseTimer:
     """Seconds of an iteration by phase: lap(name) charges the time since the last lap to `name`,
     after the device has finished the work queued so far."""
@@ -583,6 +647,8 @@ class Run:
         """The run's state: a new run's, or --resume-from's (adapters, optimizer and sampler
         restored too); opens TensorBoard on the main process."""
         args = self.args
+        if error := memory_error(args, pipe, self.dtype, self.device):  # before minutes of work
+            fail(error)
         try:
             state = start_state(args, transformer, optimizer, sampler, self.device, self.world_size,
                                 self.algorithm, self.prompt_sha256)

@@ -258,19 +258,25 @@ def resolution_error(pipe, resolution: int) -> str | None:
             f"{config.pos_embed_max_size} x patch {config.patch_size} x VAE {pipe.vae_scale_factor})")
 
 
+def available_host_memory() -> int | None:
+    """Bytes of memory Linux reports available for new allocations (MemAvailable), or None where it reports none."""
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return int(meminfo["MemAvailable"].split()[0]) * 1024  # kB
+    except (OSError, KeyError, ValueError):
+        return None  # not Linux: let the allocator decide
+
+
 def random_medium_memory_error(dtype: torch.dtype) -> str | None:
     """Why RANDOM_MEDIUM cannot be built on this machine's CPU in `dtype` (its 7.9B weights would not fit the memory
     Linux reports available: the process would be killed without a word), or None."""
-    needed = 7.91e9 * dtype.itemsize / 2**30
-    try:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        available = int(meminfo["MemAvailable"].split()[0]) / 2**20  # kB -> GiB
-    except (OSError, KeyError, ValueError):
-        return None  # not Linux: let the allocator decide
-    if needed <= available:
+    needed = 7.91e9 * dtype.itemsize
+    available = available_host_memory()
+    if available is None or needed <= available:
         return None
-    return (f"--model {RANDOM_MEDIUM}: its 7.9B random weights need {needed:.1f} GiB in {str(dtype).split('.')[-1]} "
-            f"on the CPU, and this machine has {available:.1f} GiB available (it is meant for GPU benchmarks)")
+    return (f"--model {RANDOM_MEDIUM}: its 7.9B random weights need {needed / 2**30:.1f} GiB in "
+            f"{str(dtype).split('.')[-1]} on the CPU, and this machine has {available / 2**30:.1f} GiB available (it is "
+            "meant for GPU benchmarks)")
 
 
 def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -2,13 +2,15 @@
 flags that lower it; the last completed iteration is saved when the failed one had not stepped the
 optimizer yet, and summary.json says what stopped the run. The failure is made where the real one
 comes from: the n-th transformer call of a kind raises torch's OutOfMemoryError. evaluate.py's
-line names its phase and flags, and what it had sampled before is scored and kept."""
+line names its phase and flags, and what it had sampled before is scored and kept. Images per
+iteration whose memory cannot fit stop a trainer before its first rollout, with an estimate."""
 
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,28 @@ def test_evaluate_out_of_memory_is_one_line_and_keeps_what_is_scored(kind, fail_
                            capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{kept} of 8 prompts already scored" in again.stdout
+
+
+@pytest.mark.parametrize("script", ["crd.py", "dgpo.py"])
+def test_images_that_cannot_fit_stop_before_the_first_rollout_with_an_estimate(script,
+                                                                              tiny_model_dir,
+                                                                              tmp_path):
+    """2 prompts x a million images: terabytes on any machine. The trainer stops right after
+    loading, with the estimate and what it counts, instead of growing for minutes."""
+    flags = [*RUN, "--group-size", "1000000", "--train-batch-size", "1000000"]
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, script, *flags, "--output-dir", str(tmp_path)],
+                            cwd=ROOT, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)},
+                            capture_output=True, text=True, timeout=300)
+    assert time.monotonic() - started < 120
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert re.fullmatch(
+        rf"{script}: error: --prompts-per-rank 2 x --group-size 1000000 = 2000000 images need "
+        r"about ([\d.]+) GiB of the CPU's memory, which has [\d.]+ GiB available \(prompt "
+        r"embeddings [\d.]+, latents [\d.]+, training rows and their reference and old velocities "
+        r"[\d.]+, decoded images [\d.]+, activations of a policy forward of 3000000 rows [\d.]+ "
+        r"GiB; the model and its other work come on top\): lower --group-size or "
+        r"--prompts-per-rank, or --policy-timesteps-per-forward, or add --gradient-checkpointing",
+        line)
+    assert not (tmp_path / "run").exists()  # nothing was written
