@@ -197,10 +197,16 @@ def ema_decay(step, start, initial, slope, maximum):
     return initial if step < start else min(initial + slope * (step - start), maximum)
 
 
-SNAPSHOTS_EVERY_STEP = False  # CRD's snapshots move once an iteration, after its optimizer steps
+ROLLOUT_ADAPTER = "sampling"  # CRD samples with an EMA of its own, decoupled from the old adapter
+OLD_MOVES_EVERY_STEP = False  # CRD's snapshots move once an iteration, after its optimizer steps
 
 
-def update_snapshots(transformer, args, iterations, steps):
+def snapshots_after_step(transformer, args, steps):
+    """CRD moves no snapshot between the optimizer steps of an iteration."""
+    return {}
+
+
+def snapshots_after_iteration(transformer, args, iterations, steps):
     """The old and sampling adapters move toward the policy, each by its schedule at
     k = 2 x iterations done (the paper's 2 optimizer steps a round), or at the steps taken."""
     k = steps if args.ema_counts_optimizer_steps else 2 * iterations
@@ -307,14 +313,14 @@ if __name__ == "__main__":
         state["eval"].append(validation(0))
     for iteration in run.iterations(state, compiler):
         timer = run.timer()
-        # ROLLOUT: whole prompt groups with the sampling adapter, deterministic ODE, CFG 1
+        # ROLLOUT: whole prompt groups, deterministic ODE, CFG 1
         indices = sampler.next_indices()
         prompts = [train_set[i]["prompt"] for i in indices]
         targets = [train_set[i]["target"] for i in indices]
         embeds, pooled = encode_prompts(pipe, prompts, args.max_sequence_length)
         seeds = [image_seed(args.seed, iteration, run.rank * images_per_rank + j)
                  for j in range(images_per_rank)]
-        with use_adapter(transformer, "sampling"), run.autocast:
+        with use_adapter(transformer, ROLLOUT_ADAPTER), run.autocast:
             samples = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution,
                              args.resolution, args.forward_batch_size, progress=run.main_process)
         timer.lap("rollout_s")
@@ -324,7 +330,7 @@ if __name__ == "__main__":
         grid = train_timestep_grid(samples["timesteps"], args).to(device)
         rows = training_rows(samples["latents"].to(device), grid, args, iteration, run.rank)
         # what needs no reward runs while the scorer reads: the base model, old until it moves
-        old_fixed = micro_rows if SNAPSHOTS_EVERY_STEP else len(rows)
+        old_fixed = micro_rows if OLD_MOVES_EVERY_STEP else len(rows)
         with torch.no_grad(), run.autocast:
             with use_adapter(transformer, None):
                 v_ref = rows.velocity(transformer, embeds, pooled, args, args.kl_cfg, negative)
@@ -360,11 +366,10 @@ if __name__ == "__main__":
                     losses[key] = losses.get(key, 0.0) + value * chunk_weight
             if optimizer_step(iteration):  # averaged over ranks, clipped; non-finite: skipped
                 state["optimizer_steps"] += 1
-                if SNAPSHOTS_EVERY_STEP:
-                    decays = update_snapshots(transformer, args, iteration + 1,
-                                              state["optimizer_steps"])
-        if not SNAPSHOTS_EVERY_STEP and optimizer_step.stepped_this_iteration:  # else none moves
-            decays = update_snapshots(transformer, args, iteration + 1, state["optimizer_steps"])
+                decays |= snapshots_after_step(transformer, args, state["optimizer_steps"])
+        if optimizer_step.stepped_this_iteration:  # skipped steps move no snapshot
+            decays |= snapshots_after_iteration(transformer, args, iteration + 1,
+                                                state["optimizer_steps"])
         run.average(list(losses.values()))  # the losses of every rank's groups
         timer.lap("train_s")
 

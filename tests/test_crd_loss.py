@@ -169,7 +169,7 @@ def test_snapshot_decays_are_the_papers_schedules_at_two_steps_per_iteration(lor
     blends toward the policy with its schedule evaluated at k = 2 x iterations done, the paper's step count."""
     args = crd.Args()
     before = {name: [p.clone() for p in rollout.lora_parameters(lora_transformer, name)] for name in ("old", "sampling")}
-    decays = crd.update_snapshots(lora_transformer, args, iteration, 4 * iteration)
+    decays = crd.snapshots_after_iteration(lora_transformer, args, iteration, 4 * iteration)
     expected = {"old": paper_decay(2 * iteration, 0, 0.25, 0.005, 0.999),
                 "sampling": paper_decay(2 * iteration, 75, 0.0, 0.0075, 0.999)}
     assert decays == pytest.approx(expected, abs=1e-12)
@@ -192,7 +192,7 @@ def test_schedule_milestones_in_iterations():
 
 def test_snapshot_decays_can_count_optimizer_steps(lora_transformer):
     args = crd.Args(ema_counts_optimizer_steps=True)
-    decays = crd.update_snapshots(lora_transformer, args, 25, 100)
+    decays = crd.snapshots_after_iteration(lora_transformer, args, 25, 100)
     assert decays == pytest.approx({"old": paper_decay(100, 0, 0.25, 0.005, 0.999),
                                     "sampling": paper_decay(100, 75, 0.0, 0.0075, 0.999)})
 
@@ -235,21 +235,25 @@ def test_micro_batch_rows_are_timestep_major_within_each_micro_batch():
     assert torch.equal(micro_batch_rows(latents, b)[(1 * T + 2) * b + 1], latents[2, 1 * b + 1])
 
 
-@pytest.mark.parametrize("trainer, every_step", [("crd", False), ("dgpo", True)])
+@pytest.mark.parametrize("trainer, every_step", [("crd", False), ("dgpo", True), ("nft", False)])
 def test_snapshots_move_the_old_adapter_when_the_trainer_says(trainer, every_step, tiny_model_dir):
-    """crd.py and dgpo.py run the old adapter's passes before the reward arrives as long as it cannot
-    have moved: a whole iteration for CRD (snapshots once an iteration), until the first optimizer
-    step for DGPO (after every step). update_snapshots moves it, and SNAPSHOTS_EVERY_STEP says when."""
+    """The trainers run the old adapter's passes before the reward arrives as long as it cannot
+    have moved: a whole iteration for CRD and DiffusionNFT (old moves once an iteration), until the
+    first optimizer step for DGPO (after every step). OLD_MOVES_EVERY_STEP says which hook moves it."""
     import importlib
 
     module = importlib.import_module(trainer)
-    assert module.SNAPSHOTS_EVERY_STEP is every_step
+    assert module.OLD_MOVES_EVERY_STEP is every_step
     args = module.Args()
     transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
     rollout.add_lora_adapters(transformer, 4, 4)
     with torch.no_grad():
         for p in rollout.lora_parameters(transformer, "policy"):
             p.add_(1.0)
-    old = [p.clone() for p in rollout.lora_parameters(transformer, "old")]
-    module.update_snapshots(transformer, args, 50, 100)
-    assert not any(torch.equal(o, p) for o, p in zip(old, rollout.lora_parameters(transformer, "old")))
+    old = rollout.lora_parameters(transformer, "old")
+    before = [p.clone() for p in old]
+    module.snapshots_after_step(transformer, args, 100)
+    assert every_step is not all(torch.equal(o, b) for o, b in zip(old, before))
+    before = [p.clone() for p in old]
+    module.snapshots_after_iteration(transformer, args, 50, 100)
+    assert every_step is all(torch.equal(o, b) for o, b in zip(old, before))

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 import crd
 import rollout
-from dgpo import Args, check_args, dgpo_loss, ema_decay, train_timestep_grid, update_snapshots
+from dgpo import (Args, check_args, dgpo_loss, ema_decay, snapshots_after_iteration, snapshots_after_step,
+                  train_timestep_grid)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
@@ -105,24 +106,24 @@ def test_old_adapter_ema_per_step_and_sampling_switch(tiny_model_dir):
                 p.add_(1.0), o.sub_(1.0)
 
     move_apart()
-    update_snapshots(transformer, args, 1, 1)  # the first step: decay 0, an exact copy
+    snapshots_after_step(transformer, args, 1)  # the first step: decay 0, an exact copy
     assert all(torch.equal(o, p) for o, p in zip(old, policy))
     move_apart()
     expected_old = [0.1 * o + 0.9 * p for o, p in zip(old, policy)]
-    assert update_snapshots(transformer, args, 26, 101) == {"old": pytest.approx(0.1), "sampling": 0.0}
+    assert snapshots_after_step(transformer, args, 101) == {"old": pytest.approx(0.1), "sampling": 0.0}
     for o, e in zip(old, expected_old):
         torch.testing.assert_close(o, e)  # lerp and the written-out blend round differently near zero
     assert all(torch.equal(s, p) for s, p in zip(sampling, policy))  # before the switch: rollouts use the policy
     move_apart()
-    update_snapshots(transformer, args, 50, 200)
+    snapshots_after_step(transformer, args, 200)
     assert all(torch.equal(s, p) for s, p in zip(sampling, policy))  # 200 steps done: still the policy
-    update_snapshots(transformer, args, 51, 201)
+    snapshots_after_step(transformer, args, 201)
     assert all(torch.equal(s, o) for s, o in zip(sampling, old))  # from the 201st on: the old adapter
     assert not all(torch.equal(s, p) for s, p in zip(sampling, policy))
 
 
 def algorithm_lines(path):
-    """Indices of the lines of a trainer that may differ between crd.py and dgpo.py: the module docstring, the
+    """Indices of the lines of a trainer that may differ between crd.py and a sibling: the module docstring, the
     algorithm Args, the loss and EMA functions, and the loss call."""
     lines = Path(path).read_text().splitlines()
     allowed = set(range(next(i for i, l in enumerate(lines) if l.startswith("import "))))
@@ -135,15 +136,16 @@ def algorithm_lines(path):
     return lines, allowed
 
 
-def test_dgpo_differs_from_crd_only_in_docstring_algorithm_args_loss_and_ema():
+@pytest.mark.parametrize("sibling", ["dgpo.py", "nft.py"])
+def test_a_sibling_differs_from_crd_only_in_docstring_algorithm_args_loss_and_ema(sibling):
     crd_lines, crd_allowed = algorithm_lines(ROOT / "crd.py")
-    dgpo_lines, dgpo_allowed = algorithm_lines(ROOT / "dgpo.py")
+    lines, allowed = algorithm_lines(ROOT / sibling)
     drift = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, crd_lines, dgpo_lines, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, crd_lines, lines, autojunk=False).get_opcodes():
         if tag != "equal":
             drift += [f"crd.py:{i + 1}: {crd_lines[i]}" for i in range(i1, i2) if i not in crd_allowed]
-            drift += [f"dgpo.py:{j + 1}: {dgpo_lines[j]}" for j in range(j1, j2) if j not in dgpo_allowed]
-    assert not drift, "crd.py and dgpo.py drifted apart outside the algorithm:\n" + "\n".join(drift)
+            drift += [f"{sibling}:{j + 1}: {lines[j]}" for j in range(j1, j2) if j not in allowed]
+    assert not drift, f"crd.py and {sibling} drifted apart outside the algorithm:\n" + "\n".join(drift)
 
 
 def test_timestep_window_is_the_grid_steps_at_or_above_shift_0_3(tiny_pipe):
