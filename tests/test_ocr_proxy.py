@@ -111,8 +111,9 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     assert blind[0].tolist() == [0.0, 0.0, 0.0] and blind[1] == ["", "", ""]  # the KL-only control's reward
 
 
-def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports(tmp_path):
-    """run_benchmark end to end on the tiny model: real crd.py and dgpo.py subprocesses on the pool's PP-OCR reward,
+def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(tmp_path):
+    """run_benchmark end to end on the tiny model: real crd.py and nft.py subprocesses on the pool's PP-OCR reward
+    (dgpo.py's command is crd.py's without CRD's snapshot flags),
     their TensorBoard curves, checkpoints scored again at every protocol, `run.sh compare`, the plot and the grids;
     and the KL-only control, whose reward reads nothing and whose held-out curve is the trainers' PP-OCR judge."""
     from benchmark.ocr_proxy import run_benchmark
@@ -120,10 +121,11 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                               iterations=2, eval_every=1, eval_prompts=2, eval_split="validation", ocr_workers=1,
                               kl_only_control=True, prompts_per_rank=2, group_size=2, train_batch_size=4,
+                              algorithms=["crd", "nft"],
                               trainer_args="--num-steps 3 --num-train-timesteps 1")
     report = run_benchmark.main(args)
     out = tmp_path / "bench"
-    runs = ("crd_seed3", "dgpo_seed3", "crd_klonly_seed3", "dgpo_klonly_seed3")
+    runs = ("crd_seed3", "nft_seed3", "crd_klonly_seed3", "nft_klonly_seed3")
     assert report["return_codes"] == dict.fromkeys(runs, 0) and report["failed"] == []
     for name in runs[2:]:
         assert [v for _, v in run_benchmark.scalars(out / "runs" / name, "train/reward_mean")] == [0.0, 0.0]
@@ -145,7 +147,7 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
         assert json.loads((out / "runs" / name / "summary.json").read_text())["optimizer_steps"] == 2
         # --eval-split validation: the runs validate on the words that stopped pretraining, never on the test words
         assert [r["target"] for r in load_prompts(settings["eval_data"])[0]] == split_words(SMALL_TASK, 0)["validation"]
-        if name.startswith("crd"):  # CRD's snapshots keep moving; DGPO's never freeze
+        if name.startswith("crd"):  # CRD's snapshots keep moving; the others' by their own schedules
             assert settings["sampling_decay"] == [75, 0, 0.0075, 0.9] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
         assert set(scores) == {"checkpoint", "cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
         assert all(0.0 <= scores[k] <= 1.0 for k in scores if k != "checkpoint")
@@ -153,6 +155,8 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     assert report["final_scores"]["crd_seed3"]["cfg1_2steps"] == pytest.approx(report["runs"]["crd_seed3"]["eval"][-1][1])
     assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps"}
     assert (out / "curves.png").stat().st_size > 10_000 and (out / "benchmark.json").is_file()
+    # the plot's title names the runs' own batch, not the driver's defaults (8 x 6)
+    assert run_benchmark.batch_structure([out / "runs" / name for name in runs]) == "2 prompts x 2 images"
     assert "crd_seed3" in (out / "compare_seed3.md").read_text()
     assert "crd_klonly_seed3" in (out / "compare_klonly_seed3.md").read_text()
     assert sorted(p.name.split("_iteration")[0] for p in out.glob("grid_*.png")) == sorted(
@@ -168,7 +172,7 @@ def test_the_benchmark_driver_runs_both_trainers_at_a_matched_budget_and_reports
     (dict(eval_prompts=5), "--eval-prompts 5: more than the task's 4 test words (--pretrain.task.test-words)"),
     (dict(eval_prompts=5, eval_split="validation"),
      "--eval-prompts 5: more than the task's 4 validation words (--pretrain.task.validation-words)"),
-    (dict(algorithms=[]), "--algorithms: give crd, dgpo or both"),
+    (dict(algorithms=[]), "--algorithms: give one or more of crd, dgpo, nft"),
     (dict(trainer_args="--lerning-rate 1e-4"), "'--lerning-rate 1e-4': not arguments of crd.py (see python crd.py --help)"),
     (dict(algorithms=["dgpo"], variants=["a=--clip-range -1"]), "--clip-range -1: must be a finite number >= 0"),
     (dict(kl_only_control=True, scorer="paddle"), "--kl-only-control: the reward that reads no text is served by"),

@@ -1,7 +1,7 @@
-"""The OCR proxy benchmark in one command: pretrain (or reuse) the base model, then crd.py and dgpo.py on it with the
-PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables and validation grids.
+"""The OCR proxy benchmark in one command: pretrain (or reuse) the base model, then crd.py, dgpo.py and nft.py on it
+with the PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables and validation grids.
 
-    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, 225 iterations
+    python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy      # 3 seeds x CRD, DGPO, NFT, 225 iterations
 
     # the same in steps of under 10 minutes each on one H200 (pretraining ~2.5 min; each algorithm's 3 runs ~9 min)
     python benchmark/ocr_proxy/pretrain.py --out ~/.cache/crd/ocr-proxy
@@ -9,15 +9,14 @@ PP-OCR reward at a matched budget, then learning curves, `run.sh compare` tables
     python benchmark/ocr_proxy/run_benchmark.py --out runs/ocr_proxy_dgpo --algorithms dgpo
     bash run.sh compare runs/ocr_proxy_crd/runs/crd_seed0 runs/ocr_proxy_dgpo/runs/dgpo_seed0
 
-The runs are dealt round-robin over the GPUs (CRD on GPU 0 and DGPO on GPU 1 with two; one GPU: all share it; none:
-the CPU, slowly). `--variants` sweeps trainer
+The runs are dealt round-robin over the GPUs (one GPU: all share it; none: the CPU, slowly). `--variants` sweeps trainer
 settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL anchor teaches alone),
 `--final-guidances` scores the final checkpoints at more CFG scales. The reward is PP-OCR: by default the
 driver serves reward.PaddleScorer's reads from a pool of single-threaded engines to the trainers' `--reward vllm`
 client (the same scores, in parallel; the in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each);
 `--scorer paddle` uses that instead.
-Both algorithms get the same prompts, seeds, iterations, images per iteration and optimizer steps: only the trainer
-script differs. Both anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
+Every algorithm gets the same prompts, seeds, iterations, images per iteration and optimizer steps: only the
+trainer script differs. All anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
 anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy, and CRD's
 snapshot adapters never freeze (CRD_SNAPSHOTS), like DGPO's. Outputs in --out:
     data/train.jsonl, data/{test,validation}.jsonl   RL prompts: the pretraining's training words, and the held-out
@@ -64,7 +63,7 @@ from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
-ALGORITHMS = ("crd", "dgpo")
+ALGORITHMS = ("crd", "dgpo", "nft")
 KL_ONLY = "klonly"  # the variant of --kl-only-control
 # CRD's snapshot adapters keep moving: with crd.py's defaults (Flow-Factory's OCR schedules,
 # examples/crd/lora/sd3_5/default.yaml:55-56) the sampling and old adapters both reach EMA decay 0.999 by iteration
@@ -80,7 +79,7 @@ HELD_OUT_TAGS = ("eval/reward_paddle", "eval/reward_mean")
 
 @dataclass
 class Args:
-    """Pretrain the OCR proxy base model, then train it with CRD and DGPO on the PP-OCR reward."""
+    """Pretrain the OCR proxy base model, then train it with CRD, DGPO and DiffusionNFT on the PP-OCR reward."""
 
     out: str = "runs/ocr_proxy"
     """output directory"""
@@ -118,8 +117,8 @@ class Args:
     ocr_workers: int = 0
     """PP-OCR engines of the pool (0: one per core, less one per trainer)"""
     trainer_args: str = ""
-    """extra arguments for both trainers, e.g. '--trainer-args=--learning-rate 1e-4' (with '=')"""
-    algorithms: list[Literal["crd", "dgpo"]] = field(default_factory=lambda: list(ALGORITHMS))
+    """extra arguments for every trainer, e.g. '--trainer-args=--learning-rate 1e-4' (with '=')"""
+    algorithms: list[Literal["crd", "dgpo", "nft"]] = field(default_factory=lambda: list(ALGORITHMS))
     """trainers run for every seed and variant"""
     variants: list[str] = field(default_factory=list)
     """a sweep: each NAME=ARGS runs every algorithm and seed with ARGS after --trainer-args, as runs
@@ -145,7 +144,7 @@ def check_args(args: Args) -> None:
     if blocked:
         fail(f"--out {args.out}: {blocked}")
     if not args.algorithms:
-        fail("--algorithms: give crd, dgpo or both")
+        fail("--algorithms: give one or more of crd, dgpo, nft")
     for flag in ("iterations", "eval_every", "eval_prompts"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
@@ -232,7 +231,7 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
                  resolution: int, protocols: dict[str, tuple[float, int]]) -> dict:
     """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
-    and of each run's last checkpoint, with the adapter the trainers validate and roll out with ("sampling"), and with
+    and of each run's last checkpoint, with the adapter the trainers validate with ("sampling"), and with
     the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
     policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
     closely."""
@@ -281,6 +280,18 @@ def save_grids(run_dir: Path, out: Path, name: str) -> list[str]:
         path.write_bytes(event.encoded_image_string)
         written.append(path.name)
     return written
+
+
+def batch_structure(run_dirs: list[Path]) -> str:
+    """'8 prompts x 6 images' as the runs' own checkpoints record it (several, joined by ' / ')."""
+    seen = []
+    for run_dir in run_dirs:
+        saved = checkpoint.checkpoints(run_dir) if run_dir.is_dir() else []
+        if saved:
+            trained = json.loads((saved[-1] / "trainer_state.json").read_text())["args"]
+            label = f"{trained['prompts_per_rank']} prompts x {trained['group_size']} images"
+            seen += [label] if label not in seen else []
+    return " / ".join(seen) or "no checkpoint"
 
 
 def plot_curves(curves: dict, path: Path, title: str, validation: str) -> None:
@@ -388,8 +399,9 @@ def main(args: Args) -> dict:
                                     *(str(runs / run_name(a, variant, seed)) for a in args.algorithms)],
                                    capture_output=True, text=True, check=False)
             (out / f"compare_{run_name('', variant, seed).lstrip('_')}.md").write_text(table.stdout + table.stderr)
+    structure = batch_structure([runs / run_name(*job) for job in jobs])
     plot_curves(curves, out / "curves.png", f"OCR proxy: {len(args.seeds)} seed(s), {args.iterations} iterations, "
-                f"4 prompts x 6 images, PP-OCR reward; base validation {proxy['chosen'][proxy['validation']]:.2f}",
+                f"{structure}, PP-OCR reward; base validation {proxy['chosen'][proxy['validation']]:.2f}",
                 proxy["validation"])
     report["phases_s"]["report"] = time.perf_counter() - started
     for name, run in report["runs"].items():
