@@ -2,10 +2,11 @@
 # The recipe launcher:
 #   bash run.sh crd  [trainer args...]     CRD, defaults of the recipe; extra args are passed last, so they win
 #   bash run.sh dgpo [trainer args...]     the matched DGPO baseline
+#   bash run.sh nft  [trainer args...]     the matched DiffusionNFT baseline
 #   bash run.sh compare RUN_DIR [RUN_DIR...]   the anchor table of finished runs, side by side
 # Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
 # TOTAL_TRAINING_STEPS (100 iterations), EVAL_PROMPTS (32 held-out prompts per validation; the anchor table used 128),
-# OUTPUT_DIR (runs/crd or runs/dgpo), TRAIN_DATA, EVAL_DATA, MODEL,
+# OUTPUT_DIR (runs/crd, runs/dgpo or runs/nft), TRAIN_DATA, EVAL_DATA, MODEL,
 # REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's),
 # STOP_TIMEOUT (600: seconds several actor ranks get to finish the iteration and save after SIGTERM/Ctrl-C).
 # Several nodes and restarts (README, "Multi-node and Slurm"): NNODES (1), NODE_RANK (0; node 0
@@ -18,9 +19,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
-usage="usage: bash run.sh crd|dgpo [trainer args...]  |  bash run.sh compare RUN_DIR [RUN_DIR...]"
+usage="usage: bash run.sh crd|dgpo|nft [trainer args...]  |  bash run.sh compare RUN_DIR [RUN_DIR...]"
 algo=${1:-}
-[[ $algo == crd || $algo == dgpo || $algo == compare ]] || { echo "$usage" >&2; exit 2; }
+[[ $algo == crd || $algo == dgpo || $algo == nft || $algo == compare ]] || { echo "$usage" >&2; exit 2; }
 shift
 
 if [[ $algo == compare ]]; then

@@ -121,10 +121,12 @@ def test_a_reward_server_that_fails_to_start_shows_its_log(tmp_path):
     assert "CUDA error: no kernel image is available (stand-in failure)" in result.stderr
 
 
-def test_a_bad_argument_stops_the_run_before_the_reward_server_starts(tmp_path):
+@pytest.mark.parametrize("algo", ["crd", "nft"])
+def test_a_bad_argument_stops_the_run_before_the_reward_server_starts(algo, tmp_path):
     env = {**tiny_run_env(tmp_path), "TRAIN_DATA": "data/ocr/typo.jsonl"}
-    result = run_sh(env, "crd", "--text-encoder-device", "cpu", timeout=120)
-    assert result.returncode == 1 and result.stderr.splitlines() == ["crd.py: error: data/ocr/typo.jsonl: prompt file not found"]
+    result = run_sh(env, algo, "--text-encoder-device", "cpu", timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"{algo}.py: error: data/ocr/typo.jsonl: prompt file not found"]
     assert "vllm serve" not in result.stdout and not (tmp_path / "runs" / "reward_server.log").exists()
 
 
