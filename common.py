@@ -41,7 +41,7 @@ from precompile import Precompile
 from reward import SCORERS, GuardedScorer, ScoringThread, check_reward_model, make_scorer
 from rollout import (CompileCache, available_host_memory, captioned_grid, check_model_path,
                      compile_blocks, compile_decoder, encode_prompts, images_per_call,
-                     predict_velocity, sample, use_adapter, warn_cut_targets)
+                     nonfinite_images, predict_velocity, sample, use_adapter, warn_cut_targets)
 
 
 # ---- argument checks -------------------------------------------------------------------------
@@ -512,10 +512,15 @@ class Validation:
         embeds, pooled = encode_prompts(self.pipe, self.prompts, args.max_sequence_length)
         seeds = [args.eval_seed + i for i in range(len(self.prompts))]
         with use_adapter(self.pipe.transformer, "sampling"), self.run.autocast:
-            images = sample(self.pipe, embeds, pooled, seeds, args.eval_steps, args.eval_guidance,
-                            args.resolution, args.resolution, args.forward_batch_size,
-                            negative_embeds=self.negative[0], negative_pooled=self.negative[1],
-                            progress=True, on_decoded=self.score_chunk)["images"]
+            samples = sample(self.pipe, embeds, pooled, seeds, args.eval_steps, args.eval_guidance,
+                             args.resolution, args.resolution, args.forward_batch_size,
+                             negative_embeds=self.negative[0], negative_pooled=self.negative[1],
+                             progress=True, on_decoded=self.score_chunk)
+        images = samples["images"]
+        if bad := int((~samples["finite"]).sum()):
+            self.run.warn("validation images were NaN or inf", self.run.phase,
+                          f"{bad} of {len(images)} validation images are NaN or inf (a diverged "
+                          "sampling adapter?): they decode black and are scored as black images")
         scores, texts = self.scorer.take()
         writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
         captions = [f"{s:.2f} {t}" for s, t in zip(scores, self.targets)]
@@ -624,6 +629,8 @@ class Run:
         self.phase = "loading the models"  # None: an iteration's, told by its timer's laps
         self.iteration_timer = None
         self.steps_when_saved = None  # the optimizer steps of the last completed iteration
+        self.nonfinite_before = 0  # rollout.nonfinite_images() when the iteration began
+        self.warned = {}  # {what: (where it was first, how often)} (warn)
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
                                   self.keep_after_out_of_memory)
 
@@ -681,6 +688,7 @@ class Run:
         self.bar = tqdm(remaining, initial=state["iteration"], total=self.args.num_iterations,
                         disable=not self.main_process, desc="iterations")
         for done, iteration in enumerate(self.bar):
+            self.nonfinite_before = nonfinite_images()
             yield iteration
             if done == 0:
                 compiler.save()
@@ -715,9 +723,19 @@ class Run:
         self.state["iteration_s"].append(logged["perf/iteration_s"])
         self.steps_when_saved = self.state["optimizer_steps"]
         self.iteration_timer = None
+        if bad := nonfinite_images() - self.nonfinite_before:
+            images = self.args.prompts_per_rank * self.args.group_size
+            self.warn("rollout images were NaN or inf", f"iteration {iterations}",
+                      f"{bad} of {images} rollout images are NaN or inf (a diverged policy?): they "
+                      "decode black and are scored as black images")
         if not self.main_process:
             return
         logged = {**reward_stats(rewards, self.args.group_size), **logged}
+        if float(logged["train/zero_std_group_frac"]) == 1:
+            self.warn("every prompt group's reward had std 0", f"iteration {iterations}",
+                      f"every prompt group's images got the same reward (std 0 in all "
+                      f"{len(rewards) // self.args.group_size} groups): the advantages are 0, so "
+                      "the reward gives no learning signal (a constant reward?)")
         for tag, value in logged.items():
             self.writer.add_scalar(tag, float(value), iterations)
         self.bar.set_postfix(reward=f"{float(logged['train/reward_mean']):.3f}",
@@ -736,6 +754,16 @@ class Run:
         if self.main_process:
             self.writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iterations)
         return bool(self.stopped_by)
+
+    def warn(self, what, where, message):
+        """A warning of what spoils training without stopping it, printed the first time (naming
+        `where`); later ones are counted, and the end of the run prints the count."""
+        first, count = self.warned.get(what, (where, 0))
+        self.warned[what] = (first, count + 1)
+        if not count:
+            rank = f"rank {self.rank}: " if self.world_size > 1 else ""
+            print(f"{rank}{where}: warning: {message} (warned once: the end of the run counts "
+                  "them)", flush=True)
 
     def save_if_due(self):
         """A checkpoint every --save-every iterations and at the end (main process)."""
@@ -779,6 +807,9 @@ class Run:
     def finish(self):
         """A stopped run keeps its last completed iteration; summary.json; exit with the status."""
         state = self.state
+        rank = f"rank {self.rank}: " if self.world_size > 1 else ""
+        for what, (first, count) in self.warned.items():
+            print(f"{rank}warning: {what} {count} time(s), first in {first}", flush=True)
         if self.main_process and self.stopped_by and state["iteration"]:
             save_last_iteration(self.dir, state, self.transformer, self.optimizer,
                                 self.args.keep_last, self.stopped_by)

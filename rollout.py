@@ -682,11 +682,31 @@ def decode_latents(pipe, latents: torch.Tensor, max_batch_size: int = 8) -> np.n
 
     Decoded max_batch_size at a time: the VAE's full-resolution activations dominate the rollout's peak memory.
     """
+    return _decode_latents(pipe, latents, max_batch_size)[0]
+
+
+def _decode_latents(pipe, latents: torch.Tensor, max_batch_size: int = 8) -> tuple[np.ndarray, torch.Tensor]:
+    """decode_latents, and (B,) whether each image's pixels are finite; NaN pixels are made 0 (black)."""
     vae = pipe.vae
     latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-    images = [pipe.image_processor.postprocess(vae.decode(chunk, return_dict=False)[0], output_type="np")
-              for chunk in latents.split(max_batch_size)]
-    return (np.concatenate(images) * 255).round().astype(np.uint8)
+    images, finite = [], []
+    for chunk in latents.split(max_batch_size):
+        pixels = vae.decode(chunk, return_dict=False)[0]
+        finite.append(torch.isfinite(pixels).flatten(1).all(1))
+        images.append(pipe.image_processor.postprocess(pixels, output_type="np"))  # clamped: inf becomes 0 or 1
+    images, finite = np.concatenate(images), torch.cat(finite)
+    if not finite.all():
+        images = np.nan_to_num(images, nan=0.0)  # else the cast of NaN is the platform's choice
+    return (images * 255).round().astype(np.uint8), finite
+
+
+_nonfinite_images = 0  # of this process's sample() calls (nonfinite_images)
+
+
+def nonfinite_images() -> int:
+    """How many images sample() has made in this process whose latents or pixels were NaN or inf (a diverged model):
+    they decode black, and a reward scores them as black images. The trainers count a rollout's by the difference."""
+    return _nonfinite_images
 
 
 @torch.no_grad()
@@ -699,7 +719,9 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
     Runs whichever adapter is active (wrap it in `use_adapter`). CFG when guidance_scale > 1, against the empty
     prompt unless negative embeddings are given. on_decoded(chunk, images), if given, gets each chunk's slice and
     decoded images as soon as they exist, so that a caller can score them in a thread while the next chunk samples.
+    out["finite"] (B,) says which images' latents (and pixels) are finite (nonfinite_images counts the others).
     """
+    global _nonfinite_images
     transformer, device = pipe.transformer, pipe.transformer.device
     if len(seeds) != prompt_embeds.shape[0]:
         raise ValueError(f"{len(seeds)} seeds for {prompt_embeds.shape[0]} prompt embeddings")
@@ -712,7 +734,7 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
     shape = (transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     latents = initial_latents(seeds, shape, device, torch.float32)  # (B, C, h, w)
     per_call = images_per_call(len(seeds), max_batch_size, guidance_scale)
-    images = []
+    images, finite_pixels = [], []
     bar = tqdm(total=math.ceil(len(seeds) / per_call) * num_steps, desc="sampling", disable=not progress,
                delay=5.0)  # shown once sampling takes long
     for start in range(0, len(seeds), per_call):
@@ -726,11 +748,19 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
             bar.update()
         latents[chunk] = x
         if decode:
-            images.append(decode_latents(pipe, x))
+            chunk_images, chunk_finite = _decode_latents(pipe, x)
+            images.append(chunk_images)
+            finite_pixels.append(chunk_finite)
             if on_decoded is not None:
                 on_decoded(chunk, images[-1])
     bar.close()
-    out = {"latents": latents, "timesteps": timesteps, "sigmas": sigmas}  # (B, C, h, w), (T,), (T + 1,) float32
+    finite = torch.isfinite(latents).flatten(1).all(1)
+    if decode:
+        finite &= torch.cat(finite_pixels)
+    finite = finite.cpu().numpy()
+    _nonfinite_images += int((~finite).sum())
+    out = {"latents": latents, "timesteps": timesteps, "sigmas": sigmas,  # (B, C, h, w), (T,), (T + 1,) float32
+           "finite": finite}  # (B,) bool
     if decode:
         out["images"] = np.concatenate(images)  # (B, H, W, 3) uint8
     return out
