@@ -176,8 +176,9 @@ def nft_loss(v_theta, v_old, v_ref, target, sigma, advantages, adv_clip=5.0, bet
     v_theta = v_theta.float()
     v_old = v_old.float().detach()
     sigma = sigma.float().view(-1, *[1] * len(dims))
-    positive = beta * v_theta + (1 - beta) * v_old
-    negative = (1 + beta) * v_old - beta * v_theta
+    step = beta * (v_theta - v_old)  # exactly 0 at the old adapter: A = 0 then teaches exactly nothing
+    positive = v_old + step
+    negative = v_old - step
     positive_error = sigma * (target.float() - positive)  # x0 of v+ minus the clean latent
     negative_error = sigma * (target.float() - negative)
     positive_weight = positive_error.detach().double().abs().mean(dims, keepdim=True)
