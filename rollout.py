@@ -506,11 +506,48 @@ def ema_update_(transformer, target: str, source: str, decay: float) -> None:
     torch._foreach_lerp_(lora_parameters(transformer, target), lora_parameters(transformer, source), 1.0 - decay)
 
 
-def export_lora(transformer, name: str, out_dir: str | Path) -> None:
-    """Adapter `name` in diffusers' LoRA format (safetensors): StableDiffusion3Pipeline.load_lora_weights(out_dir)."""
+def active_adapter(transformer) -> str | None:
+    """The adapter `use_adapter` made the LoRA layers run, or None while they run the base model
+    (adapters disabled, or none added)."""
+    layers = _lora_layers(transformer)
+    if not layers or layers[0]._disable_adapters:
+        return None
+    layer = layers[0]
+    for name in transformer.peft_config:
+        if name != SLOT and layer.lora_A[name].weight is layer.lora_A[SLOT].weight:
+            return name
+    raise RuntimeError("the LoRA layers run no named adapter")  # only past use_adapter
+
+
+def save_peft_lora(state: dict[str, torch.Tensor], config, out_dir: str | Path) -> None:
+    """A LoRA as a PEFT adapter directory, as peft's PeftModel.save_pretrained writes one:
+    adapter_config.json (`config`, the adapter's LoraConfig: rank, alpha, targets) and
+    adapter_model.safetensors, with `state`'s keys (lora_state_dict's, such as
+    `transformer_blocks.0.attn.to_q.lora_A.weight`) under `base_model.model.`. vLLM's LoRA loader,
+    vLLM-Omni's included, reads this layout."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out_dir))
+    tensors = {f"base_model.model.{k}": v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+
+
+def export_lora(transformer, name: str, out_dir: str | Path,
+                format: Literal["diffusers", "peft"] = "diffusers") -> None:
+    """Adapter `name` in diffusers' LoRA format (safetensors): StableDiffusion3Pipeline.load_lora_weights(out_dir).
+
+    format="peft": a PEFT adapter directory instead (save_peft_lora), the layout vLLM-Omni loads a
+    request's LoRA from (omni_rollout)."""
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import get_peft_model_state_dict
 
+    if format == "peft":
+        save_peft_lora(lora_state_dict(transformer, name), transformer.peft_config[name], out_dir)
+        return
+    if format != "diffusers":
+        raise ValueError(f"unknown LoRA format {format!r}")
     StableDiffusion3Pipeline.save_lora_weights(
         out_dir, transformer_lora_layers=get_peft_model_state_dict(transformer, adapter_name=name),
         transformer_lora_adapter_metadata=transformer.peft_config[name].to_dict(),  # rank and alpha: the LoRA scale
@@ -636,7 +673,8 @@ def images_per_call(batch: int, max_rows: int | None, guidance_scale: float = 1.
 
 def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, guidance_scale: float = 1.0,
                      negative_embeds=None, negative_pooled=None, max_batch_size: int | None = None,
-                     wait_each_chunk: bool = False) -> torch.Tensor:
+                     wait_each_chunk: bool = False,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """Flow-matching velocity (B, C, h, w) of latents (B, C, h, w) at timesteps (scalar or (B,), 0..1000 scale).
 
     With guidance_scale > 1, the unconditional and conditional branches run as one batch of 2B (diffusers' order)
@@ -645,14 +683,17 @@ def predict_velocity(transformer, latents, timesteps, prompt_embeds, pooled, gui
     for each transformer call on a CUDA device to finish; it releases the GIL while it waits. Otherwise it runs
     ahead until the launch queue is full and then blocks inside a launch, holding the GIL, which starves a scorer
     thread beside it (its kernels are launched from Python too).
+    The inputs are cast to `dtype`, by default the transformer's (a diffusers model's `.dtype`;
+    vLLM-Omni's transformer has none: omni_rollout passes its engine's).
     """
-    batch, dtype = latents.shape[0], transformer.dtype
+    batch, dtype = latents.shape[0], dtype or transformer.dtype
     t = torch.as_tensor(timesteps, device=latents.device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
     chunk = images_per_call(batch, max_batch_size, guidance_scale)
     if batch > chunk:
         return torch.cat([predict_velocity(transformer, latents[i : i + chunk], t[i : i + chunk],
                                            prompt_embeds[i : i + chunk], pooled[i : i + chunk], guidance_scale,
-                                           negative_embeds, negative_pooled, wait_each_chunk=wait_each_chunk)
+                                           negative_embeds, negative_pooled,
+                                           wait_each_chunk=wait_each_chunk, dtype=dtype)
                           for i in range(0, batch, chunk)])
     if guidance_scale > 1:
         if negative_embeds is None or negative_pooled is None:
@@ -674,6 +715,72 @@ def initial_latents(seeds: list[int], shape: tuple[int, int, int], device, dtype
     """Noise (B, C, h, w); image i's from its own CPU generator seeded with seeds[i], so it reproduces alone."""
     noise = [torch.randn(shape, generator=torch.Generator("cpu").manual_seed(s)) for s in seeds]
     return torch.stack(noise).to(device=device, dtype=dtype)
+
+
+def latent_shape(pipe, height: int, width: int) -> tuple[int, int, int]:
+    """The (C, h, w) of one image's latents at height x width pixels."""
+    channels = pipe.transformer.config.in_channels
+    return channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
+
+
+def euler_schedule(scheduler, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout's time grid, float32 on the CPU: timesteps (T,) on the 0..1000 scale and sigmas
+    (T + 1,) ending at 0, the flow-matching scheduler's for num_steps steps (SD3: shifted by its
+    config's shift, 3.0). Both rollout engines take their grid from here, omni_rollout's pipeline
+    from the engine's copy of the scheduler: they step through the same float32 values."""
+    scheduler.set_timesteps(num_steps)  # so the scheduler config's shift applies
+    return scheduler.timesteps.float(), scheduler.sigmas.float()
+
+
+def unshifted_sigmas(scheduler, num_steps: int) -> list[float]:
+    """The T sigmas of euler_schedule before the scheduler shifts them, as it computes them.
+
+    vLLM-Omni's request field `sigmas` takes these: its pipelines hand them to the scheduler,
+    which applies the shift again. set_timesteps(sigmas=...) rounds them to float32 before the
+    shift, so that grid can differ from euler_schedule's in the last bit: omni_rollout's pipeline
+    checks the request's sigmas and takes its grid from euler_schedule."""
+    t_max = scheduler._sigma_to_t(scheduler.sigma_max)
+    t_min = scheduler._sigma_to_t(scheduler.sigma_min)
+    return (np.linspace(t_max, t_min, num_steps) / scheduler.config.num_train_timesteps).tolist()
+
+
+def euler_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
+               sigma_next: torch.Tensor) -> torch.Tensor:
+    """One step of the flow-matching ODE dx/dsigma = v from sigma to sigma_next (0-d float32
+    tensors of the grid): x + (sigma_next - sigma) v, in float32 even for bf16 models, like
+    diffusers' scheduler."""
+    return x + float(sigma_next - sigma) * v.float()
+
+
+def euler_rollout(transformer, latents, prompt_embeds, pooled, timesteps, sigmas,
+                  guidance_scale: float = 1.0, negative_embeds=None, negative_pooled=None,
+                  max_batch_size: int | None = None, dtype: torch.dtype | None = None,
+                  wait_each_chunk: bool = False, on_step=None, on_chunk=None) -> torch.Tensor:
+    """A rollout's deterministic Euler ODE, in place over float32 latents (B, C, h, w): from the
+    initial noise through timesteps (T,) (on the latents' device) and sigmas (T + 1,)
+    (euler_schedule) to the final latents, which it returns.
+
+    The images run in equal chunks such that no transformer call gets more than max_batch_size
+    rows (a CFG image takes two: images_per_call), each chunk through all T steps before the next;
+    on_step() after every step, on_chunk(chunk, x) with each chunk's slice and final latents as
+    soon as they exist. Both rollout engines run this loop: sample() here, and omni_rollout's
+    pipeline inside vLLM-Omni, with the engine's transformer and `dtype`.
+    """
+    per_call = images_per_call(len(latents), max_batch_size, guidance_scale)
+    for start in range(0, len(latents), per_call):
+        chunk = slice(start, start + per_call)
+        x = latents[chunk]
+        for i, t in enumerate(timesteps):
+            v = predict_velocity(transformer, x, t, prompt_embeds[chunk], pooled[chunk],
+                                 guidance_scale, negative_embeds, negative_pooled,
+                                 wait_each_chunk=wait_each_chunk, dtype=dtype)
+            x = euler_step(x, v, sigmas[i], sigmas[i + 1])
+            if on_step is not None:
+                on_step()
+        latents[chunk] = x
+        if on_chunk is not None:
+            on_chunk(chunk, x)
+    return latents
 
 
 @torch.no_grad()
@@ -709,6 +816,39 @@ def nonfinite_images() -> int:
     return _nonfinite_images
 
 
+class ChunkDecoder:
+    """Decodes a rollout's chunks of final latents as they come (euler_rollout's on_chunk),
+    keeping the images and whether their pixels are finite; hands each chunk's slice and images
+    to on_decoded(chunk, images) if given."""
+
+    def __init__(self, pipe, on_decoded=None):
+        self.pipe, self.on_decoded = pipe, on_decoded
+        self.images, self.finite = [], []  # per chunk: (n, H, W, 3) uint8, (n,) bool
+
+    def __call__(self, chunk: slice, latents: torch.Tensor) -> None:
+        images, finite = _decode_latents(self.pipe, latents)
+        self.images.append(images)
+        self.finite.append(finite)
+        if self.on_decoded is not None:
+            self.on_decoded(chunk, images)
+
+
+def sample_output(latents, timesteps, sigmas, decoded: ChunkDecoder | None = None) -> dict:
+    """sample()'s dict of a finished rollout (and of its decoded images, if any), whichever
+    engine ran it; counts its non-finite images for nonfinite_images()."""
+    global _nonfinite_images
+    finite = torch.isfinite(latents).flatten(1).all(1)
+    if decoded is not None:
+        finite &= torch.cat(decoded.finite)
+    finite = finite.cpu().numpy()
+    _nonfinite_images += int((~finite).sum())
+    out = {"latents": latents, "timesteps": timesteps,  # (B, C, h, w), (T,) float32
+           "sigmas": sigmas, "finite": finite}  # (T + 1,) float32, (B,) bool
+    if decoded is not None:
+        out["images"] = np.concatenate(decoded.images)  # (B, H, W, 3) uint8
+    return out
+
+
 @torch.no_grad()
 def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, guidance_scale: float = 1.0,
            height: int = 512, width: int = 512, max_batch_size: int = 32, negative_embeds=None, negative_pooled=None,
@@ -720,8 +860,8 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
     prompt unless negative embeddings are given. on_decoded(chunk, images), if given, gets each chunk's slice and
     decoded images as soon as they exist, so that a caller can score them in a thread while the next chunk samples.
     out["finite"] (B,) says which images' latents (and pixels) are finite (nonfinite_images counts the others).
+    omni_rollout.OmniRollout.sample is the same call through vLLM-Omni.
     """
-    global _nonfinite_images
     transformer, device = pipe.transformer, pipe.transformer.device
     if len(seeds) != prompt_embeds.shape[0]:
         raise ValueError(f"{len(seeds)} seeds for {prompt_embeds.shape[0]} prompt embeddings")
@@ -729,41 +869,19 @@ def sample(pipe, prompt_embeds, pooled, seeds: list[int], num_steps: int = 10, g
         raise ValueError("on_decoded needs decode=True")
     if guidance_scale > 1 and negative_embeds is None:
         negative_embeds, negative_pooled = negative_embeddings(pipe, prompt_embeds.shape[1] - pipe.tokenizer_max_length)
-    pipe.scheduler.set_timesteps(num_steps)  # so the scheduler config's shift applies
-    timesteps, sigmas = pipe.scheduler.timesteps.float(), pipe.scheduler.sigmas.float()  # (T,), (T + 1,)
-    shape = (transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    timesteps, sigmas = euler_schedule(pipe.scheduler, num_steps)  # (T,), (T + 1,)
+    shape = latent_shape(pipe, height, width)
     latents = initial_latents(seeds, shape, device, torch.float32)  # (B, C, h, w)
     per_call = images_per_call(len(seeds), max_batch_size, guidance_scale)
-    images, finite_pixels = [], []
     bar = tqdm(total=math.ceil(len(seeds) / per_call) * num_steps, desc="sampling", disable=not progress,
                delay=5.0)  # shown once sampling takes long
-    for start in range(0, len(seeds), per_call):
-        chunk = slice(start, start + per_call)
-        x = latents[chunk]
-        for i, t in enumerate(timesteps.to(device)):
-            v = predict_velocity(transformer, x, t, prompt_embeds[chunk], pooled[chunk], guidance_scale,
-                                 negative_embeds, negative_pooled,
-                                 wait_each_chunk=on_decoded is not None)  # the caller may be scoring the chunk before
-            x = x + float(sigmas[i + 1] - sigmas[i]) * v.float()  # in float32 even for bf16 models, like diffusers
-            bar.update()
-        latents[chunk] = x
-        if decode:
-            chunk_images, chunk_finite = _decode_latents(pipe, x)
-            images.append(chunk_images)
-            finite_pixels.append(chunk_finite)
-            if on_decoded is not None:
-                on_decoded(chunk, images[-1])
+    decoded = ChunkDecoder(pipe, on_decoded) if decode else None
+    euler_rollout(transformer, latents, prompt_embeds, pooled, timesteps.to(device), sigmas,
+                  guidance_scale, negative_embeds, negative_pooled, max_batch_size,
+                  wait_each_chunk=on_decoded is not None,  # the caller may score the chunk before
+                  on_step=bar.update, on_chunk=decoded)
     bar.close()
-    finite = torch.isfinite(latents).flatten(1).all(1)
-    if decode:
-        finite &= torch.cat(finite_pixels)
-    finite = finite.cpu().numpy()
-    _nonfinite_images += int((~finite).sum())
-    out = {"latents": latents, "timesteps": timesteps, "sigmas": sigmas,  # (B, C, h, w), (T,), (T + 1,) float32
-           "finite": finite}  # (B,) bool
-    if decode:
-        out["images"] = np.concatenate(images)  # (B, H, W, 3) uint8
-    return out
+    return sample_output(latents, timesteps, sigmas, decoded)
 
 
 # ---- image grids -----------------------------------------------------------------------------------------------------
