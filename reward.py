@@ -628,11 +628,12 @@ def make_judge(name: str, *, device: str = "cpu", batch_size: int = 32,
     raise ValueError(f"unknown judge {name!r}; choose from {', '.join(JUDGES)}")
 
 
-def make_judges(names, **options) -> list[Judge]:
-    """The judges `names` in order (e.g. ["paddle", "pickscore", "flat"]; ["none"]: none);
-    options go to make_judge. An unknown name or one listed twice is an error before any model
-    is loaded."""
-    names = list(names)
+def judge_names(names) -> list[str]:
+    """The judges of a list of names (["paddle", "pickscore"]) or of a string of them ("paddle
+    pickscore flat", commas too), in order; "none" alone, or no name: none. An unknown name or one
+    listed twice is a ValueError in one line."""
+    names = [names] if isinstance(names, str) else list(names)
+    names = [name for part in names for name in re.split(r"[\s,]+", part) if name]
     if names == ["none"]:
         return []
     for i, name in enumerate(names):
@@ -641,7 +642,14 @@ def make_judges(names, **options) -> list[Judge]:
                              "or none alone")
         if name in names[:i]:
             raise ValueError(f"judge {name!r} is listed twice")
-    return [make_judge(name, **options) for name in names]
+    return names
+
+
+def make_judges(names, **options) -> list[Judge]:
+    """The judges `names` in order (e.g. ["paddle", "pickscore", "flat"]; ["none"]: none);
+    options go to make_judge. An unknown name or one listed twice is an error before any model
+    is loaded (judge_names)."""
+    return [make_judge(name, **options) for name in judge_names(names)]
 
 
 # ---- a weighted mix of rewards -----------------------------------------------------------------
@@ -743,15 +751,31 @@ def group_standardize(rewards, group_size: int, floor: float = 1e-6):
     return ((groups - groups.mean(1, keepdim=True)) / std).flatten()
 
 
-def mix_advantages(rewards, weights, group_size: int, normalize, aggregation: str = "sum"):
-    """Advantages (N,) of a reward mix; rewards (N, K) torch, every image of the iteration.
+def aggregate_rewards(rewards, weights, group_size: int, aggregation: str = "sum"):
+    """The one reward (N,) that a mix's advantages normalise; rewards (N, K) torch, groups of
+    group_size consecutive images. Flow-Factory's two aggregations (advantage_aggregation: sum |
+    gdpo; dispatched in src/flow_factory/advantage/advantage_processor.py, lines 133-137):
+      sum:  sum_k w_k r_k, the weighted reward (compute_weighted_sum, lines 361-386); a reward of
+            a larger scale weighs more.
+      gdpo: sum_k w_k z_k, z_k = group_standardize(r_k) (compute_gdpo, lines 455-468); each
+            reward counts by its weight whatever its scale.
+    One reward of weight 1 under sum is its column bit for bit."""
+    import torch
 
-    Flow-Factory's two aggregations (advantage_aggregation: sum | gdpo; dispatched in
-    src/flow_factory/advantage/advantage_processor.py, lines 133-137):
-      sum:  normalize(sum_k w_k r_k), the weighted reward normalised as one reward is
-            (compute_weighted_sum, lines 361-386); a reward of a larger scale weighs more.
-      gdpo: normalize(sum_k w_k z_k), z_k = group_standardize(r_k) (compute_gdpo, lines
-            455-470); each reward counts by its weight whatever its scale.
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
+                         f"{', '.join(AGGREGATIONS)}")
+    weights = list(weights)
+    if aggregation == "sum":
+        return weighted_sum(rewards, weights)
+    standardized = [group_standardize(rewards[:, k], group_size) for k in range(rewards.shape[1])]
+    return weighted_sum(torch.stack(standardized, 1), weights)
+
+
+def mix_advantages(rewards, weights, group_size: int, normalize, aggregation: str = "sum"):
+    """Advantages (N,) of a reward mix; rewards (N, K) torch, every image of the iteration:
+    normalize(aggregate_rewards(rewards, weights, group_size, aggregation)).
+
     normalize: the trainer's own advantages of one reward, (N,) -> (N,), e.g.
     lambda r: group_advantages(r, group_size, global_std, adv_clip); the advantage formula
     stays in the trainer. With one reward of weight 1, sum gives normalize(rewards[:, 0]) bit
@@ -760,16 +784,7 @@ def mix_advantages(rewards, weights, group_size: int, normalize, aggregation: st
     normalize by the global std is that step (but for its epsilon), then the trainer's clip.
     With the per-group std, each group is divided by its own std instead.
     """
-    import torch
-
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; choose from "
-                         f"{', '.join(AGGREGATIONS)}")
-    weights = list(weights)
-    if aggregation == "sum":
-        return normalize(weighted_sum(rewards, weights))
-    standardized = [group_standardize(rewards[:, k], group_size) for k in range(rewards.shape[1])]
-    return normalize(weighted_sum(torch.stack(standardized, 1), weights))
+    return normalize(aggregate_rewards(rewards, weights, group_size, aggregation))
 
 
 def component_means(rewards, names) -> dict[str, float]:
