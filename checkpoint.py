@@ -35,6 +35,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from reward import AESTHETIC_CLIP, PICKSCORE_MODEL, PICKSCORE_PROCESSOR, parse_mix
 from rollout import export_lora, load_lora_state_dict, lora_state_dict
 
 ADAPTERS = ("policy", "old", "sampling")
@@ -54,6 +55,16 @@ SAFE_TO_CHANGE_ON_RESUME = {
     # validation cost: it never feeds training (the change is printed: the eval curve changes protocol there)
     "eval_every", "eval_prompts", "eval_steps", "eval_judge", "dry_run",
 }
+# Settings added after runs had been saved: {field: the value every run before it had}. A checkpoint
+# records one only where it differs (record_args), so a run at these values saves what it saved
+# before and a checkpoint without it resumes as having that value.
+ADDED_SETTINGS = {"reward_aggregation": "sum", "pickscore_model": PICKSCORE_MODEL,
+                  "pickscore_processor": PICKSCORE_PROCESSOR, "aesthetic_model": AESTHETIC_CLIP,
+                  "aesthetic_head": ""}
+# The models of a reward or judge: they define the run where the reward has that component, and
+# may change otherwise (a judge's, which never feeds training)
+JUDGE_MODELS = {"pickscore_model": "pickscore", "pickscore_processor": "pickscore",
+                "aesthetic_model": "aesthetic", "aesthetic_head": "aesthetic"}
 # Per-rank sizes define the run through their global value (x world size): a resume at another world size may change
 # them as long as the prompts per iteration and the images per optimizer step stay the same.
 PER_RANK = {"prompts_per_rank": "prompts per iteration", "train_batch_size": "images per optimizer step"}
@@ -75,9 +86,18 @@ def number(value):
 
 
 def eval_entry(entry):
-    """[iteration, reward (NaN: its scorer failed), judge's reward or null]."""
-    return (type(entry) is list and len(entry) == 3 and whole(entry[0]) and number(entry[1])
-            and (entry[2] is None or number(entry[2])))
+    """[iteration, reward (NaN: its scorer failed), the first judge's mean or null], then {judge:
+    mean} where the judges were not PP-OCR alone (Validation)."""
+    return (type(entry) is list and len(entry) in (3, 4) and whole(entry[0]) and number(entry[1])
+            and (entry[2] is None or number(entry[2]))
+            and (len(entry) == 3 or type(entry[3]) is dict and all(map(number, entry[3].values()))))
+
+
+def entry_judges(entry):
+    """{judge: mean} of a validation's entry: an entry of 3 had PP-OCR alone, or no judge."""
+    if len(entry) == 4:
+        return entry[3]
+    return {} if entry[2] is None else {"paddle": entry[2]}
 
 
 # What each field of trainer_state.json must hold, and how the error says it: the trainers use them unchecked, some only
@@ -89,7 +109,7 @@ STATE_FIELDS = {
     "sampler": (lambda v: type(v) is dict and whole(v.get("epoch")) and whole(v.get("position")),
                 'an object {"epoch": whole number >= 0, "position": whole number >= 0}'),
     "eval": (lambda v: type(v) is list and all(map(eval_entry, v)),
-             "a list of [iteration, reward, judge's reward or null] entries"),
+             "a list of [iteration, reward, judge's mean or null(, {judge: mean})] entries"),
     "iteration_s": (lambda v: type(v) is list and all(map(number, v)), "a list of numbers"),
     "start_iterations": (lambda v: type(v) is list and all(whole(i, 1) for i in v), "a list of whole numbers >= 1"),
     "peak_mem_gib": (lambda v: type(v) is dict and all(map(number, v.values())), "an object of numbers"),
@@ -116,6 +136,7 @@ class RunComplete(RunError):
 def resume_changes(checkpoint_state, args, world_size, algorithm):
     """(refused, allowed): "name old -> new" for each setting that differs from the checkpoint's."""
     saved, current = checkpoint_state["args"], json.loads(json.dumps(vars(args)))  # tuples as the JSON's lists
+    saved, current = {**ADDED_SETTINGS, **saved}, {**ADDED_SETTINGS, **current}  # absent: as before it was added
     saved_world = checkpoint_state["world_size"]
     if checkpoint_state["algorithm"] != algorithm:  # its Args differ too: this says it all
         return [f"algorithm {checkpoint_state['algorithm']} -> {algorithm}"], []
@@ -126,8 +147,25 @@ def resume_changes(checkpoint_state, args, world_size, algorithm):
             old, new = old * saved_world, new * world_size
             name = f"{PER_RANK[name]} ({name} x ranks)"
         if old != new and name not in RUN_LOCATION:
-            (allowed if name in SAFE_TO_CHANGE_ON_RESUME else refused).append(f"{name} {old} -> {new}")
+            safe = name in SAFE_TO_CHANGE_ON_RESUME or judge_model_unused(name, saved, current)
+            (allowed if safe else refused).append(f"{name} {old} -> {new}")
     return refused, allowed
+
+
+def judge_model_unused(name, saved, current):
+    """Whether a JUDGE_MODELS flag is one of a component neither --reward has (then only a judge
+    reads it)."""
+    try:
+        rewards = set(parse_mix(saved.get("reward", ""))) | set(parse_mix(current.get("reward", "")))
+    except (ValueError, TypeError):  # a damaged state: the setting stays refused
+        return False
+    return name in JUDGE_MODELS and JUDGE_MODELS[name] not in rewards
+
+
+def record_args(args):
+    """The Args as a checkpoint records them: ADDED_SETTINGS at their old value left out."""
+    return {name: value for name, value in asdict(args).items()
+            if not (name in ADDED_SETTINGS and value == ADDED_SETTINGS[name])}
 
 
 def read_checkpoint_state(checkpoint):
@@ -153,7 +191,8 @@ def prepare_run(args, algorithm, world_size, main_process):
     latest = args.resume_from == LATEST
     replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
-    default_name = f"{args.exp_name}__{args.reward}__{args.seed}__{int(time.time())}"
+    reward = args.reward.replace(" ", "+")  # a mix: qwen-vl=0.8+pickscore=0.2
+    default_name = f"{args.exp_name}__{reward}__{args.seed}__{int(time.time())}"
     created = False
     if args.resume_from or args.run_name:
         run_dir = run_directory(args, default_name)
@@ -580,7 +619,7 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
         sampler.load_state_dict(state["sampler"])
     check_same_start(state["iteration"], args, device, world_size)
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
-    state.update(sampler=sampler.state_dict(), args=asdict(args), world_size=world_size, algorithm=algorithm)
+    state.update(sampler=sampler.state_dict(), args=record_args(args), world_size=world_size, algorithm=algorithm)
     state["data_sha256"] = prompt_sha256  # a file edited later in the run is then a change that a resume refuses
     return state
 
@@ -646,7 +685,7 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
     steady = [t for i, t in enumerate(times, 1) if i not in warmups]
     mean = float(np.mean(steady)) if steady else None
     best = max(history, key=lambda e: e[1], default=[None, None])
-    judge = lambda entry: entry[2]  # --eval-judge on the same images, or None
+    judge = lambda entry: entry[2]  # the first --eval-judge on the same images, or None
     last = Path(run_dir) / f"global_step_{state['iteration']}"
     saved = not state["iteration"] or all((last / name).exists() for name in CHECKPOINT_FILES)
     # a full disk may have lost the last checkpoint: then the run is not complete
@@ -663,6 +702,12 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
                "mean_iteration_s": mean, "mean_iteration_excludes": sorted(warmups & set(range(1, len(times) + 1))),
                "train_images_per_s": images_per_iteration / mean if mean else None,
                "peak_mem_gib": {**state["peak_mem_gib"], **other_gpus}}
+    if any(len(entry) == 4 for entry in history):  # judges other than PP-OCR alone
+        judged = [entry_judges(entry) for entry in history]
+        names = list(dict.fromkeys(name for means in judged for name in means))
+        summary["eval_judges"] = {name: {"initial": next(m[name] for m in judged if name in m),
+                                         "final": next(m[name] for m in reversed(judged) if name in m)}
+                                  for name in names}
     partial = run_dir / ".summary.json.tmp"  # replaced at once: a kill never leaves half a summary
     partial.write_text(json.dumps(summary, indent=1, allow_nan=False))
     partial.replace(run_dir / "summary.json")

@@ -29,6 +29,7 @@ import google_crc32c
 import numpy as np
 import torch
 import torch.distributed as dist
+import tyro
 from tensorboard.summary.writer import record_writer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
@@ -38,13 +39,21 @@ from checkpoint import (GracefulStop, RunComplete, RunError, actor_peak_memory, 
                         start_state, summary_of_state)
 from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
-from reward import SCORERS, GuardedScorer, ScoringThread, check_reward_model, make_scorer
+from reward import (JUDGES, READERS, GuardedScorer, ScoringThread, aggregate_rewards,
+                    check_reward_model, component_means, format_mix, judge_names, make_judge,
+                    make_judges, make_mix, parse_mix, weighted_sum)
 from rollout import (CompileCache, available_host_memory, captioned_grid, check_model_path,
                      compile_blocks, compile_decoder, encode_prompts, images_per_call,
                      nonfinite_images, predict_velocity, sample, use_adapter, warn_cut_targets)
 
 
 # ---- argument checks -------------------------------------------------------------------------
+
+# A flag of several words kept as one string, as --reward qwen-vl=0.8 pickscore=0.2 and
+# --eval-judge paddle flat take them (the trainers hold a copy: they import few names)
+WORDS = tyro.constructors.PrimitiveConstructorSpec(
+    nargs="*", metavar="NAME[=WEIGHT] ...", instance_from_str=" ".join,
+    is_instance=lambda value: isinstance(value, str), str_from_instance=str.split)
 
 
 def fail(message):
@@ -88,8 +97,21 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.max_sequence_length > 512:
         fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most "
              "512 tokens")
-    if args.reward == "vllm" and not args.reward_urls:
-        fail("--reward-urls: --reward vllm needs at least one server URL")
+    # canonical, as checkpoints and run names record them: "qwen-vl", "qwen-vl=0.8 pickscore=0.2"
+    try:
+        args.reward = format_mix(parse_mix(args.reward))
+    except ValueError as error:
+        fail(f"--reward: {error}")
+    try:
+        args.eval_judge = " ".join(judge_names(args.eval_judge)) or "none"
+    except ValueError as error:
+        fail(f"--eval-judge: {error}")
+    scorers = scorers_of(args)
+    if "vllm" in scorers and not args.reward_urls:
+        fail("--reward-urls: the vllm reward or judge needs at least one server URL")
+    if "aesthetic" in scorers and not args.aesthetic_head:
+        fail("--aesthetic-head: the aesthetic reward or judge needs the LAION head's file "
+             "(sac+logos+ava1-l14-linearMSE.pth)")
     if args.eval_every and args.eval_prompts < 1:
         fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns "
              "validation off)")
@@ -110,9 +132,32 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
              f"trained steps of the {args.num_steps}-step rollout grid")
-    if args.reward not in SCORERS:
-        fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
     check_devices(args, "the trainers run")
+
+
+def scorers_of(args):
+    """The names of the scorers a run loads: --reward's (its one reward, or a mix's components)
+    and, when it validates, --eval-judge's."""
+    judges = judge_names(args.eval_judge) if args.eval_every else []
+    return set(parse_mix(args.reward)) | set(judges)
+
+
+def check_judge_models(args, names):
+    """A local --pickscore-model, --pickscore-processor or --aesthetic-model that holds no such
+    model, or an --aesthetic-head that is no file, as a RuntimeError naming the flag, for the
+    rewards and judges `names` that read them; before anything loads."""
+    if "pickscore" in names:
+        check_model_path(args.pickscore_model, "--pickscore-model", "config.json",
+                         "a transformers model")
+        check_model_path(args.pickscore_processor, "--pickscore-processor",
+                         "preprocessor_config.json", "an image processor")
+    if "aesthetic" in names:
+        for marker, kind in (("config.json", "a transformers model"),
+                             ("preprocessor_config.json", "an image processor")):
+            check_model_path(args.aesthetic_model, "--aesthetic-model", marker, kind)
+        if not Path(args.aesthetic_head).is_file():
+            raise RuntimeError(f"--aesthetic-head {args.aesthetic_head}: no such file (the LAION "
+                               "head, sac+logos+ava1-l14-linearMSE.pth)")
 
 
 def check_devices(args, runs_on):
@@ -461,19 +506,68 @@ class GuardedStep:
                 "charts/skipped_steps": self.skipped}
 
 
-def reward_stats(rewards, group_size):
+def reward_stats(rewards, group_size, weights):
+    """train/*: the reward (N,), or a mix's (N, K) components' weighted sum, with each component
+    as train/reward_<name>."""
+    components = {}
+    if rewards.ndim == 2:
+        components = {f"train/reward_{name}": value
+                      for name, value in component_means(rewards, weights).items()}
+        rewards = weighted_sum(rewards, weights.values())
     groups = rewards.view(-1, group_size)
     return {"train/reward_mean": rewards.mean(), "train/reward_std": rewards.std(unbiased=False),
-            "train/zero_std_group_frac": (groups.std(1) == 0).float().mean()}
+            "train/zero_std_group_frac": (groups.std(1) == 0).float().mean(), **components}
+
+
+def image_rewards(scores, weights):
+    """One reward's scores (N,) as they are; a mix's (N, K) as their weighted sum (N,)."""
+    if np.ndim(scores) == 1:
+        return scores
+    return weighted_sum(torch.as_tensor(scores), weights.values()).numpy()
+
+
+def scorer_options(args, device):
+    """make_judge's options from the flags: where the reward models run and how they are found."""
+    return dict(device=args.reward_device or str(device), model_path=args.reward_model,
+                urls=args.reward_urls, timeout=args.reward_timeout, max_retries=args.reward_retries,
+                pickscore_model=args.pickscore_model, pickscore_processor=args.pickscore_processor,
+                aesthetic_model=args.aesthetic_model,
+                aesthetic_head_path=args.aesthetic_head or None)
+
+
+class TrainingScorer(ScoringThread):
+    """--reward, read in a thread of its own while the GPU works (reward.ScoringThread); a failure
+    gives NaN scores (GuardedScorer), which stop the run on every rank before it trains on them.
+    One reward (a bare name) scores each image; a mix (qwen-vl=0.8 pickscore=0.2, or any
+    --reward-aggregation gdpo) gives a column per component, and aggregate() makes them one."""
+
+    def __init__(self, args, device, batch_size):
+        self.weights = parse_mix(args.reward)
+        self.aggregation = args.reward_aggregation
+        self.group_size = args.group_size
+        self.mix = args.reward not in JUDGES or args.reward_aggregation != "sum"
+        options = {**scorer_options(args, device), "batch_size": batch_size}
+        make = make_mix if self.mix else make_judge
+        scorer = make(args.reward, **options)
+        super().__init__(GuardedScorer(scorer))
+
+    def aggregate(self, rewards):
+        """The reward that the trainer's advantages normalise, (N,): one reward as it is, a mix's
+        (N, K) by --reward-aggregation, Flow-Factory's sum or gdpo (reward.aggregate_rewards)."""
+        if not self.mix:
+            return rewards
+        return aggregate_rewards(rewards, self.weights.values(), self.group_size, self.aggregation)
 
 
 def training_scorer(args, device, batch_size):
-    """--reward in a thread of its own; a failure gives NaN scores (GuardedScorer), which stop the
-    run on every rank before it trains on them."""
-    return ScoringThread(GuardedScorer(make_scorer(
-        args.reward, device=args.reward_device or str(device), urls=args.reward_urls,
-        model_path=args.reward_model, batch_size=batch_size, timeout=args.reward_timeout,
-        max_retries=args.reward_retries)))
+    """--reward in a thread of its own (TrainingScorer)."""
+    return TrainingScorer(args, device, batch_size)
+
+
+def judge_tag(name):
+    """A judge's TensorBoard tag: eval/<name>; PP-OCR's keeps the eval/reward_paddle of the runs
+    that had it as their one judge."""
+    return "eval/reward_paddle" if name == "paddle" else f"eval/{name}"
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -481,9 +575,10 @@ def training_scorer(args, device, batch_size):
 
 class Validation:
     """The held-out prompts rendered by the sampling adapter (image i from seed eval_seed + i) at
-    --eval-guidance, on the main process; the scorer (and --eval-judge on the CPU) read each chunk
-    of images while the next one samples. Logs the rewards, a captioned grid, the transcriptions
-    and the time it took."""
+    --eval-guidance, on the main process; the scorer and each --eval-judge (in a thread of its own)
+    read each chunk of images while the next one samples. Logs the reward (a mix's weighted sum,
+    and each component as eval/reward_<name>), each judge (judge_tag), a captioned grid, the
+    transcriptions and the time it took. A judge that is part of --reward is not scored again."""
 
     def __init__(self, pipe, eval_set, args, scorer, negative, run):
         self.pipe = pipe
@@ -493,9 +588,12 @@ class Validation:
         self.run = run
         self.prompts = [r["prompt"] for r in eval_set]
         self.targets = [r["target"] for r in eval_set]
-        self.judge = None
-        if run.main_process and args.eval_every and args.eval_judge not in ("none", args.reward):
-            self.judge = ScoringThread(make_scorer(args.eval_judge))
+        self.weights = parse_mix(args.reward)
+        self.judges = []  # ScoringThreads of reward.Judges
+        if run.main_process and args.eval_every:
+            names = [name for name in judge_names(args.eval_judge) if name not in self.weights]
+            judges = make_judges(names, **scorer_options(args, run.device))
+            self.judges = [ScoringThread(judge) for judge in judges]
 
     def due(self, iteration):
         """Whether this process validates after `iteration` iterations (0: before training)."""
@@ -504,7 +602,8 @@ class Validation:
         return bool(self.run.main_process and every and (iteration % every == 0 or last))
 
     def __call__(self, iteration):
-        """Validate; returns the summary's entry [iteration, reward mean, judge mean or None]."""
+        """Validate; returns the summary's entry [iteration, reward mean, the first judge's mean or
+        None], and {judge: mean} after them unless the judges are PP-OCR's alone (or none)."""
         args = self.args
         writer = self.run.writer
         started = time.perf_counter()
@@ -521,33 +620,42 @@ class Validation:
             self.run.warn("validation images were NaN or inf", self.run.phase,
                           f"{bad} of {len(images)} validation images are NaN or inf (a diverged "
                           "sampling adapter?): they decode black and are scored as black images")
-        scores, texts = self.scorer.take()
+        components, texts = self.scorer.take()
+        scores = image_rewards(components, self.weights)
         writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
+        if np.ndim(components) == 2:
+            for name, value in component_means(torch.as_tensor(components), self.weights).items():
+                writer.add_scalar(f"eval/reward_{name}", value, iteration)
         captions = [f"{s:.2f} {t}" for s, t in zip(scores, self.targets)]
         transcriptions = [f"{t} -> {x!r}" for t, x in zip(self.targets, texts)]
-        judge_mean = None
-        if self.judge:  # the judge adds the wait for the part of it not hidden behind the sampling
+        judged = {}  # {name: (scores, texts)}
+        if self.judges:  # they add the wait for the part of them not hidden behind the sampling
             waited = time.perf_counter()
-            judge_scores, judge_texts = self.judge.take()
+            judged = {judge.scorer.name: judge.take() for judge in self.judges}
             writer.add_scalar("perf/eval_judge_wait_s", time.perf_counter() - waited, iteration)
-            judge_mean = float(np.mean(judge_scores))
-            name = args.eval_judge
-            writer.add_scalar(f"eval/reward_{name}", judge_mean, iteration)
-            captions = [f"{s:.2f} ({name} {j:.2f}) {t}"
-                        for s, j, t in zip(scores, judge_scores, self.targets)]
-            transcriptions = [f"{line} ({name}: {x!r})"
-                              for line, x in zip(transcriptions, judge_texts)]
+            for name, (judge_scores, _) in judged.items():
+                writer.add_scalar(judge_tag(name), float(np.mean(judge_scores)), iteration)
+            notes = [", ".join(f"{name} {judge_scores[i]:.2f}"
+                               for name, (judge_scores, _) in judged.items())
+                     for i in range(len(scores))]
+            captions = [f"{s:.2f} ({note}) {t}" for s, note, t in zip(scores, notes, self.targets)]
+            for name, (_, judge_texts) in judged.items():
+                if name in READERS:
+                    transcriptions = [f"{line} ({name}: {x!r})"
+                                      for line, x in zip(transcriptions, judge_texts)]
         grid = captioned_grid(images[:16], captions[:16])
         writer.add_image("eval/images", grid, iteration, dataformats="HWC")
         writer.add_text("eval/transcriptions", "\n\n".join(transcriptions), iteration)
         writer.add_scalar("perf/eval_s", time.perf_counter() - started, iteration)
         self.run.phase = None
-        return [iteration, float(np.mean(scores)), judge_mean]
+        means = {name: float(np.mean(judge_scores)) for name, (judge_scores, _) in judged.items()}
+        entry = [iteration, float(np.mean(scores)), next(iter(means.values()), None)]
+        return entry + [means] if means and list(means) != ["paddle"] else entry
 
     def score_chunk(self, rows, images):
-        self.scorer.submit(images, self.targets[rows])
-        if self.judge:
-            self.judge.submit(images, self.targets[rows])
+        self.scorer.submit(images, self.targets[rows], self.prompts[rows])
+        for judge in self.judges:
+            judge.submit(images, self.targets[rows], self.prompts[rows])
 
 
 def out_of_memory(error):
@@ -631,6 +739,7 @@ class Run:
         self.steps_when_saved = None  # the optimizer steps of the last completed iteration
         self.nonfinite_before = 0  # rollout.nonfinite_images() when the iteration began
         self.warned = {}  # {what: (where it was first, how often)} (warn)
+        self.reward_weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
                                   self.keep_after_out_of_memory)
 
@@ -642,8 +751,10 @@ class Run:
         self.train_set = train_set
         self.eval_set = eval_set
         check_model_path(args.model)
-        if args.reward == "qwen-vl":
+        scorers = scorers_of(args)
+        if "qwen-vl" in scorers:
             check_reward_model(args.reward_model)
+        check_judge_models(args, scorers)
         if args.dry_run:  # how run.sh checks a run before it starts a reward server
             print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval "
                   "prompts")
@@ -730,7 +841,7 @@ class Run:
                       "decode black and are scored as black images")
         if not self.main_process:
             return
-        logged = {**reward_stats(rewards, self.args.group_size), **logged}
+        logged = {**reward_stats(rewards, self.args.group_size, self.reward_weights), **logged}
         if float(logged["train/zero_std_group_frac"]) == 1:
             self.warn("every prompt group's reward had std 0", f"iteration {iterations}",
                       f"every prompt group's images got the same reward (std 0 in all "

@@ -18,7 +18,7 @@ read off flow-matching errors, onto the task reward. Unlike GRPO/DDPO-style diff
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
@@ -30,6 +30,12 @@ from common import (Compiler, GuardedStep, Run, TrainingRows, Validation, check_
 from data import GroupSampler
 from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
                      negative_embeddings, sample, use_adapter)
+
+# --reward and --eval-judge take several words (--reward qwen-vl=0.8 pickscore=0.2) as one string:
+# common.WORDS, copied here as the trainers import few names
+WORDS = tyro.constructors.PrimitiveConstructorSpec(
+    nargs="*", metavar="NAME[=WEIGHT] ...", instance_from_str=" ".join,
+    is_instance=lambda value: isinstance(value, str), str_from_instance=str.split)
 
 
 @dataclass
@@ -85,8 +91,12 @@ class Args:
     """torch.compile the transformer blocks and the VAE decoder on CUDA"""
 
     # Reward
-    reward: str = "qwen-vl"
-    """scorer: qwen-vl, vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility"""
+    reward: Annotated[str, WORDS] = "qwen-vl"
+    """scorer, or a weighted mix (qwen-vl=0.8 pickscore=0.2): qwen-vl, vllm (OpenAI server), paddle
+    (PP-OCR), pickscore, aesthetic, flat, brightness, compressibility"""
+    reward_aggregation: Literal["sum", "gdpo"] = "sum"
+    """a mix's advantages: of its weighted sum (sum), or of the weighted sum of its rewards each
+    standardised within its prompt group (gdpo, where the weights alone count)"""
     reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
     """hub id or local directory of the OCR model (qwen-vl, vllm)"""
     reward_device: str = ""
@@ -97,6 +107,14 @@ class Args:
     """seconds a reward server may take to answer one request (reward vllm)"""
     reward_retries: int = 3
     """retries, with backoff, of an image whose request failed (reward vllm)"""
+    pickscore_model: str = "yuvalkirstain/PickScore_v1"
+    """hub id or local directory of PickScore's CLIP model (reward or judge pickscore)"""
+    pickscore_processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+    """hub id or local directory of PickScore's tokenizer and image processor"""
+    aesthetic_model: str = "openai/clip-vit-large-patch14"
+    """hub id or local directory of the CLIP whose embeddings the aesthetic head reads"""
+    aesthetic_head: str = ""
+    """the LAION aesthetic head, sac+logos+ava1-l14-linearMSE.pth (reward or judge aesthetic)"""
 
     # Optimisation
     num_iterations: int = 100
@@ -133,8 +151,9 @@ class Args:
     """validation CFG scale (negative prompt "")"""
     eval_seed: int = 0
     """image i of validation always uses seed eval_seed + i"""
-    eval_judge: Literal["paddle", "brightness", "compressibility", "none"] = "paddle"
-    """a second scorer of the validation images on the CPU, beside --reward (none: off)"""
+    eval_judge: Annotated[str, WORDS, tyro.conf.arg(metavar="NAME ...")] = "paddle"
+    """judges of the validation images beside --reward, as --reward's names (none: off); each logged
+    as eval/<name>, PP-OCR as eval/reward_paddle"""
     save_every: int = 10
     """checkpoint every N iterations and at the end"""
     keep_last: int = 2
@@ -324,7 +343,7 @@ if __name__ == "__main__":
             samples = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution,
                              args.resolution, args.forward_batch_size, progress=run.main_process)
         timer.lap("rollout_s")
-        scorer.submit(samples["images"], targets)  # read in a thread while the passes below run
+        scorer.submit(samples["images"], targets, prompts)  # read while the passes below run
 
         # ALGO LOGIC: each group trains on T timesteps of the rollout grid, with fresh noise
         grid = train_timestep_grid(samples["timesteps"], args).to(device)
@@ -343,7 +362,8 @@ if __name__ == "__main__":
         rewards = run.gather(torch.as_tensor(scores, dtype=torch.float32, device=device))
         if run.reward_failed(rewards, scorer):  # on any rank: every rank stops before training
             break
-        advantages = group_advantages(rewards, args.group_size, args.global_std, args.adv_clip)
+        reward = scorer.aggregate(rewards)  # a mix's components as one, by --reward-aggregation
+        advantages = group_advantages(reward, args.group_size, args.global_std, args.adv_clip)
         advantages = advantages[run.rank * images_per_rank : (run.rank + 1) * images_per_rank]
         losses = {}
         decays = {}

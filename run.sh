@@ -54,9 +54,19 @@ for run in sys.argv[1:]:
     for key, (fits, kind) in fields.items():
         if not fits(summary[key]):
             sys.exit(f"run.sh compare: {path}: {key} is {json.dumps(summary[key])}, not {kind}")
+    judged = summary.get("eval_judges", {})  # several judges, or one that is not PP-OCR
+    if not (type(judged) is dict and all(type(v) is dict and v.keys() == {"initial", "final"}
+                                         and all(map(number[0], v.values())) for v in judged.values())):
+        sys.exit(f"run.sh compare: {path}: eval_judges is {json.dumps(judged)}, not an object of "
+                 '{"initial": number or null, "final": number or null} objects')
     runs.append((Path(run).name, summary))
 fmt = lambda v, unit="": "n/a" if v is None else f"{v:.4f}{unit}" if isinstance(v, float) else str(v)
 seconds = lambda v: "n/a" if v is None else f"{v:.1f} s"
+# each judge's initial and final: eval_judges, else the first judge's (PP-OCR alone, or none)
+judges = lambda s: s.get("eval_judges") or {"paddle": {"initial": s["initial_eval_judge"],
+                                                       "final": s["final_eval_judge"]}}
+judge_names = list(dict.fromkeys(name for _, s in runs for name in judges(s)))
+judge_cell = lambda s, name: " / ".join(fmt(judges(s).get(name, {}).get(key)) for key in ("initial", "final"))
 status = lambda s: "n/a" if "completed" not in s else "yes" if s["completed"] else f"no: stopped by {s['stopped_by']}"
 rows = [("Algorithm", lambda s: s["algorithm"]),
         ("Reward", lambda s: s["reward"]),
@@ -64,7 +74,8 @@ rows = [("Algorithm", lambda s: s["algorithm"]),
         ("Initial held-out reward", lambda s: fmt(s["initial_eval_reward"])),
         ("Final held-out reward", lambda s: fmt(s["final_eval_reward"])),
         ("Best observed held-out reward", lambda s: f"{fmt(s['best_eval_reward'])} (iteration {s['best_eval_iteration']})"),
-        ("Initial / final held-out PP-OCR judge", lambda s: f"{fmt(s['initial_eval_judge'])} / {fmt(s['final_eval_judge'])}"),
+        *[(f"Initial / final held-out {'PP-OCR' if name == 'paddle' else name} judge",
+           lambda s, name=name: judge_cell(s, name)) for name in judge_names],
         ("Mean training iteration, excluding evaluation and warm-up", lambda s: seconds(s["mean_iteration_s"])),
         # summary.json does not say whether the run compiled (CPU runs and --no-compile do not)
         ("First iteration (including torch.compile's warm-up, if any)",

@@ -257,7 +257,7 @@ def test_a_signal_finishes_the_iteration_saves_and_says_the_run_stopped(signum, 
     (["--save-every", "0"], "--save-every 0: must be at least 1"),
     (["--lora-rank", "0"], "--lora-rank 0: must be at least 1"),
     (["--num-train-timesteps", "10"], "--num-train-timesteps 10 must lie in [1, 9]: the trained steps of the 10-step"),
-    (["--reward", "ocr"], "--reward ocr: choose one of"),
+    (["--reward", "ocr"], "--reward: reward mix item 'ocr': unknown reward 'ocr'; choose from"),
     (["--reward-device", "gpu7"], "--reward-device gpu7: not a torch device"),
     (["--text-encoder-device", "cuda:1"], "--text-encoder-device cuda:1: this machine has 0 CUDA device(s)"),
 ])
