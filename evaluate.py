@@ -27,7 +27,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -36,9 +36,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from checkpoint import RunError, read_adapters
-from common import check_devices, fail, one_line_on_out_of_memory, out_of_memory
+from common import (WORDS, check_devices, check_judge_models, fail, image_rewards,
+                    one_line_on_out_of_memory, out_of_memory)
 from data import DataError, load_prompts
-from reward import SCORERS, ScoringThread, ServerError, make_scorer
+from reward import (JUDGES, ScoringThread, ServerError, format_mix, judge_names, make_judge,
+                    make_judges, make_mix, parse_mix)
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
                      sample)
@@ -97,17 +99,26 @@ class Args:
     """T5 prompt tokens"""
 
     # Scoring
-    reward: str = "qwen-vl"
-    """scorer: qwen-vl (in process), vllm (OpenAI server), paddle (PP-OCR), brightness or compressibility (checks)"""
+    reward: Annotated[str, WORDS] = "qwen-vl"
+    """scorer, or a weighted mix as the trainers' --reward (qwen-vl=0.8 pickscore=0.2): qwen-vl (in process), vllm
+    (OpenAI server), paddle (PP-OCR), pickscore, aesthetic, flat, brightness, compressibility"""
     reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
     """hub id or local directory of the OCR model (qwen-vl, vllm)"""
     reward_device: str = ""
     """device of the in-process reward model (default: --device)"""
     reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """base URLs of `vllm serve` reward servers (reward vllm)"""
-    judge: Literal["paddle", "brightness", "compressibility", "none"] = "paddle"
-    """a second scorer on the CPU, beside --reward: paddle (PP-OCR, independent of the trained reward), a cheap check,
-    or none; skipped when it is --reward"""
+    judge: Annotated[str, WORDS, tyro.conf.arg(metavar="NAME ...")] = "paddle"
+    """judges beside --reward, as its names: paddle (PP-OCR, independent of the trained reward), pickscore, aesthetic,
+    flat, a cheap check, ..., or none; a judge that is part of --reward is not scored again"""
+    pickscore_model: str = "yuvalkirstain/PickScore_v1"
+    """hub id or local directory of PickScore's CLIP model (reward or judge pickscore)"""
+    pickscore_processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+    """hub id or local directory of PickScore's tokenizer and image processor"""
+    aesthetic_model: str = "openai/clip-vit-large-patch14"
+    """hub id or local directory of the CLIP whose embeddings the aesthetic head reads"""
+    aesthetic_head: str = ""
+    """the LAION aesthetic head, sac+logos+ava1-l14-linearMSE.pth (reward or judge aesthetic)"""
 
     # Running
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,8 +158,20 @@ def check_args(args):
         fail(f"--max-sequence-length {args.max_sequence_length}: must lie in [1, 512] (SD3's T5 encoder)")
     if not 0 <= args.seed < 2**62:
         fail(f"--seed {args.seed}: must lie in [0, 2^62)")
-    if args.reward not in SCORERS:
-        fail(f"--reward {args.reward}: choose one of {', '.join(SCORERS)}")
+    try:  # canonical: "qwen-vl", "qwen-vl=0.8 pickscore=0.2", as the trainers record them
+        args.reward = format_mix(parse_mix(args.reward))
+    except ValueError as error:
+        fail(f"--reward: {error}")
+    try:
+        args.judge = " ".join(judge_names(args.judge)) or "none"
+    except ValueError as error:
+        fail(f"--judge: {error}")
+    scorers = set(parse_mix(args.reward)) | set(judge_names(args.judge))
+    if "vllm" in scorers and not args.reward_urls:
+        fail("--reward-urls: the vllm reward or judge needs at least one server URL")
+    if "aesthetic" in scorers and not args.aesthetic_head:
+        fail("--aesthetic-head: the aesthetic reward or judge needs the LAION head's file "
+             "(sac+logos+ava1-l14-linearMSE.pth)")
     check_devices(args, "evaluate.py runs")
 
 
@@ -304,8 +327,10 @@ def read_results(path, settings, prompts):
         fail(f"{path} was written with other settings ({'; '.join(changed)}): pass another --output-dir or --name, "
              "or delete it")
     fields = {"index": int, "prompt": str, "target": str, "score": (int, float)}  # what the summary and grid read
-    if settings["judge"]:
-        fields[f"{settings['judge']}_score"] = (int, float)
+    for name in (settings["judge"] or "").split():
+        fields[f"{name}_score"] = (int, float)
+    if settings.get("reward", "qwen-vl") not in JUDGES:  # a mix
+        fields["components"] = dict
     scored = {}
     for number, line in enumerate(lines[1:], 2):
         record = parse(number, line, fields, "a prompt's record")
@@ -330,7 +355,9 @@ if __name__ == "__main__":
     check_args(args)
     device = torch.device(args.device)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
-    judge_name = None if args.judge in ("none", args.reward) else args.judge
+    weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
+    mix = args.reward not in JUDGES  # not a bare name: the score is the weighted sum of the components
+    judged = [name for name in judge_names(args.judge) if name not in weights]  # a component: scored
     lora, weights_sha256, rank, alpha, trained_model = None, None, None, None, None
     if args.checkpoint:
         lora, rank, alpha, trained_model, weights_sha256 = read_checkpoint(args)
@@ -343,6 +370,7 @@ if __name__ == "__main__":
         what = f"base__{Path(model).name}"
     try:
         check_model_path(model)
+        check_judge_models(args, set(weights) | set(judged))
         records = load_prompts(args.eval_data)[0]
     except (DataError, RuntimeError) as error:
         fail(error)
@@ -358,9 +386,14 @@ if __name__ == "__main__":
                 "num_steps": args.num_steps, "guidance": args.guidance, "negative_prompt": "",
                 "resolution": args.resolution, "max_sequence_length": args.max_sequence_length,
                 "dtype": "bfloat16" if device.type == "cuda" else "float32", "reward": args.reward,
-                "reward_model": args.reward_model if args.reward in ("qwen-vl", "vllm") else None, "judge": judge_name}
+                "reward_model": args.reward_model if {"qwen-vl", "vllm"} & set(weights) else None,
+                "judge": " ".join(judged) or None}
+    for scorer_name, flag in (("pickscore", "pickscore_model"), ("pickscore", "pickscore_processor"),
+                              ("aesthetic", "aesthetic_model"), ("aesthetic", "aesthetic_head")):
+        if scorer_name in set(weights) | set(judged):  # the quality scorers' models define their scores
+            settings[flag] = getattr(args, flag)
     protocol = f"cfg{args.guidance:g}_{args.num_steps}steps_{args.resolution}px_seed{args.seed}"
-    name = args.name or f"{what}__{args.reward}__{protocol}"
+    name = args.name or f"{what}__{args.reward.replace(' ', '+')}__{protocol}"
     out = Path(args.output_dir) / name
     try:
         (out / "images").mkdir(parents=True, exist_ok=True)
@@ -432,11 +465,14 @@ if __name__ == "__main__":
             if lora:
                 load_lora(pipe.transformer, lora, rank, alpha,
                           f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--lora {args.lora}")
-            scorer = ScoringThread(make_scorer(args.reward, device=args.reward_device or str(device),
-                                               model_path=args.reward_model, urls=args.reward_urls,
-                                               batch_size=args.batch_size))
-            judge = ScoringThread(make_scorer(judge_name)) if judge_name else None
-            threads += [scorer, judge] if judge else [scorer]
+            options = dict(device=args.reward_device or str(device), batch_size=args.batch_size,
+                           model_path=args.reward_model, urls=args.reward_urls,
+                           pickscore_model=args.pickscore_model, pickscore_processor=args.pickscore_processor,
+                           aesthetic_model=args.aesthetic_model, aesthetic_head_path=args.aesthetic_head or None)
+            make = make_mix if mix else make_judge
+            scorer = ScoringThread(make(args.reward, **options))
+            judges = [ScoringThread(judge) for judge in make_judges(judged, **options)]
+            threads += [scorer, *judges]
         except (OSError, RuntimeError, ValueError, KeyError) as error:
             if out_of_memory(error):
                 raise  # one_line_on_out_of_memory's line
@@ -459,8 +495,9 @@ if __name__ == "__main__":
         del parts[:count]
         indices = [i for part, _ in taken for i in part]
         phase = f"the scoring of prompts {indices[0]}-{indices[-1]}"
-        scores, texts = scorer.take(count)
-        judge_scores, judge_texts = judge.take(count) if judge else ([], [])
+        components, texts = scorer.take(count)
+        scores = image_rewards(components, weights)  # a mix's weighted sum
+        judge_results = {name: judge.take(count) for name, judge in zip(judged, judges)}
         images = np.concatenate([part_images for _, part_images in taken])
         records = {}
         for j, i in enumerate(indices):
@@ -468,7 +505,9 @@ if __name__ == "__main__":
                 save_image(images[j], out / "images" / f"{i:05d}.png")
             record = {"index": i, "prompt": prompts[i], "target": targets[i], "transcription": texts[j],
                       "score": float(scores[j])}
-            if judge:
+            if np.ndim(components) == 2:
+                record["components"] = dict(zip(weights, map(float, components[j])))
+            for judge_name, (judge_scores, judge_texts) in judge_results.items():
                 record[f"{judge_name}_transcription"] = judge_texts[j]
                 record[f"{judge_name}_score"] = float(judge_scores[j])
             records[i] = record
@@ -491,10 +530,10 @@ if __name__ == "__main__":
             def score_part(rows, images):
                 part = indices[rows]
                 part_targets = [targets[i] for i in part]
+                part_prompts = [prompts[i] for i in part]
                 parts.append((part, images))
-                scorer.submit(images, part_targets)
-                if judge:
-                    judge.submit(images, part_targets)
+                for thread in (scorer, *judges):
+                    thread.submit(images, part_targets, part_prompts)
 
             with autocast:
                 sample(pipe, embeds, pooled, [args.seed + i for i in indices], args.num_steps, args.guidance,
@@ -512,10 +551,17 @@ if __name__ == "__main__":
     mean, stderr = mean_and_stderr([r["score"] for r in evaluated])
     summary = {"name": name, "num_prompts": len(prompts), "reward": args.reward, "mean": mean, "stderr": stderr}
     report = f"{args.reward} {mean:.4f} ± {stderr or 0:.4f}"
-    if judge_name:
+    if mix:  # each component's mean too
+        summary["components"] = {}
+        for component in weights:
+            part_mean, part_stderr = mean_and_stderr([r["components"][component] for r in evaluated])
+            summary["components"][component] = {"mean": part_mean, "stderr": part_stderr}
+    for judge_name in judged:
         judge_mean, judge_stderr = mean_and_stderr([r[f"{judge_name}_score"] for r in evaluated])
-        summary["judge"] = {"scorer": judge_name, "mean": judge_mean, "stderr": judge_stderr}
+        summary.setdefault("judges", {})[judge_name] = {"mean": judge_mean, "stderr": judge_stderr}
         report += f", {judge_name} {judge_mean:.4f} ± {judge_stderr or 0:.4f}"
+    if judged:  # the first judge, as before a list of them
+        summary["judge"] = {"scorer": judged[0], **summary["judges"][judged[0]]}
     summary.update(this_run={"prompts": len(todo), "seconds": seconds}, settings=settings, prompts=evaluated)
     partial = out / ".results.json.tmp"
     try:
@@ -525,8 +571,9 @@ if __name__ == "__main__":
         cannot_write(out / "results.json", error)
     partial.replace(out / "results.json")
     grid = [r for r in evaluated[: args.grid_images] if (out / "images" / f"{r['index']:05d}.png").is_file()]
-    captions = [f"{r['score']:.2f}" + (f" ({judge_name} {r[f'{judge_name}_score']:.2f})" if judge_name else "") +
-                f" {r['target']}" for r in grid]
+    notes = [", ".join(f"{name} {r[f'{name}_score']:.2f}" for name in judged) for r in grid]
+    captions = [f"{r['score']:.2f}" + (f" ({note})" if note else "") + f" {r['target']}"
+                for r, note in zip(grid, notes)]
     if grid:
         images = np.stack([np.asarray(Image.open(out / "images" / f"{r['index']:05d}.png")) for r in grid])
         save_image(captioned_grid(images, captions), out / "grid.png")
