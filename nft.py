@@ -195,7 +195,7 @@ def nft_loss(v_theta, v_old, v_ref, target, sigma, advantages, adv_clip=5.0, bet
     v_theta = v_theta.float()
     v_old = v_old.float().detach()
     sigma = sigma.float().view(-1, *[1] * len(dims))
-    step = beta * (v_theta - v_old)  # exactly 0 at the old adapter: A = 0 then teaches exactly nothing
+    step = beta * (v_theta - v_old)  # exactly 0 at the old adapter: A = 0 teaches nothing
     positive = v_old + step
     negative = v_old - step
     positive_error = sigma * (target.float() - positive)  # x0 of v+ minus the clean latent
