@@ -163,7 +163,53 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
         f"grid_{name}_{label}" for name in runs for label in ("first", "last"))
 
 
+def test_a_variant_written_algo_name_runs_only_that_algorithm():
+    """A sweep gives each algorithm its own variants at the same budget: ALGO:NAME=ARGS runs ALGO alone."""
+    from benchmark.ocr_proxy import run_benchmark
+
+    args = run_benchmark.Args(seeds=[10, 11], variants=["default=", "crd:beta2=--crd-beta 2",
+                                                          "dgpo:clip1e-5=--clip-range 1e-5"])
+    arguments, jobs = run_benchmark.plan(args)
+    assert arguments == {**{(a, "default"): "" for a in ("crd", "dgpo", "nft")},
+                         ("crd", "beta2"): "--crd-beta 2", ("dgpo", "clip1e-5"): "--clip-range 1e-5"}
+    assert sorted(run_benchmark.run_name(*job) for job in jobs) == sorted(
+        [f"{a}_default_seed{s}" for a in ("crd", "dgpo", "nft") for s in (10, 11)]
+        + [f"crd_beta2_seed{s}" for s in (10, 11)] + [f"dgpo_clip1e-5_seed{s}" for s in (10, 11)])
+    # a colon after anything but an algorithm stays in the name (which check_args refuses)
+    assert run_benchmark.variant_name("lr:1") == (None, "lr:1")
+    # each algorithm's own chosen settings under one name: one run.sh compare table of the three
+    args = run_benchmark.Args(seeds=[0], variants=["crd:tuned=--crd-beta 2", "dgpo:tuned=", "nft:tuned="])
+    assert [run_benchmark.run_name(*job) for job in run_benchmark.plan(args)[1]] == [
+        "crd_tuned_seed0", "dgpo_tuned_seed0", "nft_tuned_seed0"]
+
+
+def test_the_sweep_choice_takes_the_best_second_half_mean_of_each_algorithm_by_a_fixed_rule():
+    from dataclasses import asdict
+
+    from benchmark.ocr_proxy import choose, run_benchmark
+
+    args = run_benchmark.Args(seeds=[10, 11], algorithms=["crd", "dgpo"], eval_split="validation",
+                              variants=["default=", "crd:b2=--crd-beta 2", "dgpo:c5=--clip-range 1e-5"])
+    late = {"crd_default": 0.5, "crd_b2": 0.6, "dgpo_default": 0.4, "dgpo_c5": 0.4}
+    runs = {}
+    for algo, variant, seed in run_benchmark.plan(args)[1]:
+        name = run_benchmark.run_name(algo, variant, seed)
+        # b2 is the worst at iteration 20, the best from 40 on; seed 11 was cut at 60 by the time limit
+        curve = [[0, 0.3], [20, 0.9 - late[f"{algo}_{variant}"]]] + [[i, late[f"{algo}_{variant}"]]
+                                                                     for i in (40, 60, 80)]
+        runs[name] = {"eval": curve[:4] if seed == 11 else curve}
+    chosen, table = choose.choose({"args": asdict(args), "runs": runs})
+    assert chosen == {"crd": "crd:tuned=--crd-beta 2", "dgpo": "dgpo:tuned="}  # a tie keeps the first
+    assert table["iterations"] == [40, 60]  # the second half of the 60 iterations every run reached
+    assert table["variants"]["crd"]["b2"]["score"] == pytest.approx(0.6)
+
+
 @pytest.mark.parametrize("flags, message", [
+    (dict(variants=["nft:b=--nft-beta 1"], algorithms=["crd"]),
+     "--variants 'nft:b=--nft-beta 1': 'nft' is not one of --algorithms crd"),
+    (dict(variants=["b=", "dgpo:b=--beta-dpo 30"]),
+     "--variants 'dgpo:b=--beta-dpo 30': a second variant named 'b' for dgpo"),
+    (dict(variants=["crd:b=--beta-dpo 30"]), "'--beta-dpo 30': not arguments of crd.py"),
     (dict(variants=["lr1e-4"]), "--variants 'lr1e-4': write NAME=TRAINER_ARGS"),
     (dict(variants=["=--learning-rate 1e-4"]), "--variants '=--learning-rate 1e-4': write NAME=TRAINER_ARGS"),
     (dict(trainer_args="--run-name 'a"), "--trainer-args \"--run-name 'a\": No closing quotation"),

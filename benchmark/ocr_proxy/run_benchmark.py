@@ -122,7 +122,8 @@ class Args:
     """trainers run for every seed and variant"""
     variants: list[str] = field(default_factory=list)
     """a sweep: each NAME=ARGS runs every algorithm and seed with ARGS after --trainer-args, as runs
-    {algo}_{NAME}_seed{S}, e.g. '--variants default= lr1e-4=--learning-rate 1e-4'; none: runs {algo}_seed{S}"""
+    {algo}_{NAME}_seed{S}, e.g. '--variants default= lr1e-4=--learning-rate 1e-4'; none: runs {algo}_seed{S}.
+    ALGO:NAME=ARGS runs only that algorithm, e.g. 'dgpo:clip1e-5=--clip-range 1e-5'"""
     kl_only_control: bool = False
     """also run every algorithm and seed with a reward that reads no text (every score 0, so every advantage 0), as
     runs {algo}_klonly_seed{S}: what the KL anchor teaches the CFG-1 policy without the reward (to the unguided base:
@@ -131,6 +132,9 @@ class Args:
     final_guidances: list[float] = field(default_factory=list)
     """CFG scales at which the base and each run's last checkpoint are also scored after training (at the validation
     protocol's steps), beside the validation, rollout (CFG 1, 10 steps) and recipe (CFG 4.5, 40 steps) protocols"""
+    final_scores: bool = True
+    """score the base and each run's last checkpoint after training (a sweep that chooses on the validation curves
+    can skip it)"""
 
 
 def check_args(args: Args) -> None:
@@ -152,13 +156,20 @@ def check_args(args: Args) -> None:
     if args.eval_prompts > held_out:
         fail(f"--eval-prompts {args.eval_prompts}: more than the task's {held_out} {args.eval_split} words "
              f"(--pretrain.task.{args.eval_split}-words)")
+    runs = set()
     for variant in args.variants:
-        name = variant.split("=", 1)[0]
-        if "=" not in variant or not name or "/" in name:
+        only, name = variant_name(variant.split("=", 1)[0])
+        if "=" not in variant or not name or "/" in name or ":" in name:
             fail(f"--variants {variant!r}: write NAME=TRAINER_ARGS, e.g. 'lr1e-4=--learning-rate 1e-4' ('base=': none)")
+        if only is not None and only not in args.algorithms:
+            fail(f"--variants {variant!r}: {only!r} is not one of --algorithms {' '.join(args.algorithms)}")
+        named = {(algo, name) for algo in ([only] if only else args.algorithms)}
+        if named & runs:
+            fail(f"--variants {variant!r}: a second variant named {name!r} for {sorted(named & runs)[0][0]}")
+        runs |= named
     if args.kl_only_control and args.scorer != "pool":
         fail("--kl-only-control: the reward that reads no text is served by the pool (--scorer pool)")
-    if args.kl_only_control and any(v.split("=", 1)[0] == KL_ONLY for v in args.variants):
+    if args.kl_only_control and any(variant_name(v.split("=", 1)[0])[1] == KL_ONLY for v in args.variants):
         fail(f"--variants: the name {KL_ONLY!r} is --kl-only-control's")
     for flag, value in [("trainer-args", args.trainer_args), *(("variants", v) for v in args.variants)]:
         try:
@@ -168,6 +179,8 @@ def check_args(args: Args) -> None:
     for algo in args.algorithms:  # the trainers' own checks, now rather than after minutes of pretraining
         trainer = importlib.import_module(algo)
         for variant in args.variants or ["="]:
+            if variant_name(variant.split("=", 1)[0])[0] not in (None, algo):
+                continue
             given = shlex.split(args.trainer_args) + shlex.split(variant.split("=", 1)[1])
             driver = [*group_structure(args), "--kl-cfg", "1", *(CRD_SNAPSHOTS if algo == "crd" else ())]
             for seed in args.seeds:  # as launch() passes them: before the given arguments, which may set another
@@ -187,6 +200,30 @@ def gpu_count() -> int:
         return 0
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
     return sum(line.startswith("GPU") for line in out.splitlines())
+
+
+def variant_name(written: str) -> tuple[str | None, str]:
+    """(the one algorithm it runs, or None for all; its name) of a variant's NAME or ALGO:NAME."""
+    only, colon, name = written.partition(":")
+    return (only, name) if colon and only in ALGORITHMS else (None, written)
+
+
+def plan(args: Args) -> tuple[dict[tuple[str, str], str], list[tuple[str, str, int]]]:
+    """{(algorithm, variant): trainer arguments} and the runs, as (algorithm, variant, seed)."""
+    arguments = {}
+    for variant in args.variants:
+        written, given = variant.split("=", 1)
+        only, name = variant_name(written)
+        arguments.update({(algo, name): given for algo in ([only] if only else args.algorithms)})
+    if not args.variants:
+        arguments = {(algo, ""): "" for algo in args.algorithms}
+    if args.kl_only_control:
+        arguments.update({(algo, KL_ONLY): f"--reward-model {BLIND_MODEL_NAME} --eval-judge paddle"
+                          for algo in args.algorithms})
+    names = dict.fromkeys(name for _, name in arguments)
+    jobs = [(algo, name, seed) for seed in args.seeds for name in names for algo in args.algorithms
+            if (algo, name) in arguments]
+    return arguments, jobs
 
 
 def group_structure(args: Args) -> list[str]:
@@ -330,10 +367,7 @@ def main(args: Args) -> dict:
     report = {"args": asdict(args), "phases_s": {}}
 
     started = benchmark_started = time.perf_counter()
-    variants = dict(v.split("=", 1) for v in args.variants) or {"": ""}  # {name: trainer arguments}
-    if args.kl_only_control:
-        variants[KL_ONLY] = f"--reward-model {BLIND_MODEL_NAME} --eval-judge paddle"
-    jobs = [(algo, variant, seed) for seed in args.seeds for variant in variants for algo in args.algorithms]
+    arguments, jobs = plan(args)
     cores = sorted(os.sched_getaffinity(0))
     pool = OcrPool(args.ocr_workers or max(1, len(cores) - len(jobs))) if args.scorer == "pool" else None
     model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
@@ -355,7 +389,7 @@ def main(args: Args) -> dict:
             reward, per_job = ["--reward", "paddle"], max(1, len(cores) // len(jobs))
         processes = {job: launch(*job, i % gpus if gpus else None,
                                  cores[i * per_job % len(cores) :][:per_job], model, data, runs,
-                                 args.pretrain.max_sequence_length, reward, variants[job[1]], args)
+                                 args.pretrain.max_sequence_length, reward, arguments[job[:2]], args)
                      for i, job in enumerate(jobs)}
         stopped = False
         while any(p.poll() is None for p in processes.values()):
@@ -367,7 +401,7 @@ def main(args: Args) -> dict:
                 print(f"run_benchmark: time limit of {args.time_limit_s:.0f} s: asked every run to stop", flush=True)
             time.sleep(2)
     report["phases_s"]["rl"] = time.perf_counter() - started
-    if pool:
+    if pool and args.final_scores:
         started = time.perf_counter()
         protocols = {**pretrain.protocols(args.pretrain),
                      **{f"cfg{g:g}_{args.pretrain.validation_steps}steps": (g, args.pretrain.validation_steps)
@@ -377,8 +411,9 @@ def main(args: Args) -> dict:
                                               args.pretrain.max_sequence_length, args.pretrain.task.resolution,
                                               protocols)
         report["phases_s"]["final_scores"] = time.perf_counter() - started
-        pool.close()
         print(f"run_benchmark: held-out PP-OCR of the base and each run's last checkpoint: {report['final_scores']}")
+    if pool:
+        pool.close()
     report["return_codes"] = {run_name(*job): p.returncode for job, p in processes.items()}
 
     started = time.perf_counter()
@@ -393,8 +428,9 @@ def main(args: Args) -> dict:
         summary = run_dir / "summary.json"
         report["runs"][name] = {**(json.loads(summary.read_text()) if summary.is_file() else {}), "eval": held_out}
         report["grids"] += save_grids(run_dir, out, name)
-    for variant in variants:
-        for seed in args.seeds if len(args.algorithms) > 1 else ():
+    for variant in dict.fromkeys(name for _, name, _ in jobs):  # a table where every algorithm ran it
+        every = all((algo, variant) in arguments for algo in args.algorithms)
+        for seed in args.seeds if len(args.algorithms) > 1 and every else ():
             table = subprocess.run(["bash", str(ROOT / "run.sh"), "compare",
                                     *(str(runs / run_name(a, variant, seed)) for a in args.algorithms)],
                                    capture_output=True, text=True, check=False)
