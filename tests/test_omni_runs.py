@@ -158,3 +158,27 @@ def test_the_diffusers_engine_is_rollout_sample_and_starts_nothing(lora_pipe):
     engine.start(lora_pipe, torch.float32)
     assert engine.sample is rollout.sample and engine.omni is None
     engine.close()
+
+
+# ---- benchmark/omni_check.py ------------------------------------------------------------------
+
+
+def test_omni_check_runs_its_tiny_smoke_against_the_stand_in(stand_in, on_cpu, tiny_model_dir,
+                                                            tmp_path, monkeypatch, capsys):
+    """Its --help, and its first phase on the CPU: the stand-in's latents are diffusers's to the
+    bit, and its sampling adapter moved them; omni_check.json holds what ran."""
+    from benchmark import omni_check
+
+    monkeypatch.setattr(sys, "argv", ["omni_check.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        omni_check.main()
+    assert exit_.value.code == 0 and "--time-budget-s" in capsys.readouterr().out
+    monkeypatch.setenv("CRD_CACHE", str(tiny_model_dir.parent))
+    monkeypatch.setattr(sys, "argv", ["omni_check.py", "--out", str(tmp_path), "--device", "cpu",
+                                      "--phases", "smoke", "--num-steps", "4"])
+    omni_check.main()
+    results = json.loads((tmp_path / "omni_check.json").read_text())
+    smoke = results["phases"]["smoke"]
+    assert smoke["status"] == "ok", smoke
+    assert smoke["bitwise_equal"] and smoke["max_abs_diff"] == 0 and smoke["images"] == 4
+    assert smoke["engine_lora_moved_mean"] > 0 and list(results["phases"]) == ["smoke"]
