@@ -61,7 +61,20 @@ class Check:
         self.path = args.out / "omni_check.json"
         self.results = {"args": {k: str(v) for k, v in vars(args).items()}, "versions": versions(),
                         "phases": {}}
+        self.current = None
         self.write()
+        # a phase that hangs past the budget: its record says so and the process ends
+        self.watchdog = threading.Timer(max(self.left_s(), 0), self.out_of_time)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def out_of_time(self):
+        if self.current is not None:
+            self.results["phases"][self.current] = {"status": "stopped",
+                                                    "reason": "the time budget ran out"}
+        self.write()
+        print(f"omni_check: the time budget ran out in phase {self.current}", flush=True)
+        os._exit(124)
 
     def left_s(self):
         return self.args.time_budget_s - (time.perf_counter() - self.start)
@@ -83,6 +96,7 @@ class Check:
             reason = f"{self.left_s():.0f} s of the budget left, estimate {ESTIMATE_S[name]} s"
             return self.record(name, {"status": "skipped", "reason": reason})
         print(f"== {name} ...", flush=True)
+        self.current = name
         start = time.perf_counter()
         try:
             result = {"status": "ok", **phase()}
@@ -90,6 +104,7 @@ class Check:
             result = {"status": "failed", "error": f"{type(error).__name__}: {error}"[:2000],
                       "traceback": traceback.format_exc()[-4000:]}
         result["seconds"] = round(time.perf_counter() - start, 1)
+        self.current = None
         return self.record(name, result)
 
     def record(self, name, result):
@@ -128,7 +143,7 @@ class MemoryPeak:
 
     def __enter__(self):
         if self.cuda:
-            self.peak = self.used()
+            self.idle = self.peak = self.used()
             self.thread = threading.Thread(target=self.poll, daemon=True)
             self.thread.start()
         return self
@@ -146,6 +161,11 @@ class MemoryPeak:
     @property
     def gib(self):
         return round(self.peak / 2**30, 2) if self.cuda else None
+
+    @property
+    def added_gib(self):
+        """The peak over the memory in use when it began (the models both engines hold)."""
+        return round((self.peak - self.idle) / 2**30, 2) if self.cuda else None
 
 
 class Engines:
@@ -170,9 +190,11 @@ class Engines:
         self.seeds = image_seeds(len(prompts))
         self.resolution = resolution
         start = time.perf_counter()
+        used = MemoryPeak(device).used() if cuda else 0
         self.omni = omni_rollout.OmniRollout(self.pipe, model, device, 1, self.dtype,
                                              enforce_eager=not args.compile)
         self.engine_start_s = time.perf_counter() - start  # its load and the adapter check
+        self.engine_gib = round((MemoryPeak(device).used() - used) / 2**30, 2) if cuda else None
 
     def sample(self, engine, adapter="sampling", decode=False):
         run = self.omni.sample if engine == "vllm-omni" else rollout.sample
@@ -251,7 +273,8 @@ def zero_lora(engines):
     engine = engines.latents("vllm-omni")
     engines.zero = diffusers, engine
     return {"images": len(engines.seeds), "load_s": round(engines.load_s, 1),
-            "engine_start_s": round(engines.engine_start_s, 1), **differences(engine, diffusers)}
+            "engine_start_s": round(engines.engine_start_s, 1),
+            "engine_device_gib": engines.engine_gib, **differences(engine, diffusers)}
 
 
 def random_lora(engines, std):
@@ -275,6 +298,8 @@ def speed(engines, repeats):
     for engine in ("diffusers", "vllm-omni"):
         engines.sample(engine, decode=True)  # warm-up
         times = []
+        if engines.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         with MemoryPeak(engines.device) as memory:
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -283,11 +308,12 @@ def speed(engines, repeats):
         median = statistics.median(times)
         results[engine] = {"median_s": round(median, 3), "times_s": [round(t, 3) for t in times],
                            "images_per_s": round(len(engines.seeds) / median, 2),
-                           "device_peak_gib": memory.gib}
+                           "device_peak_gib": memory.gib, "device_added_gib": memory.added_gib}
+        if engines.device.type == "cuda":  # this process's: diffusers's all, the engine's decoding
+            peak = torch.cuda.max_memory_allocated()
+            results[engine]["process_peak_gib"] = round(peak / 2**30, 2)
         print(f"   {engine:<10} {median:7.3f} s  {len(engines.seeds) / median:6.2f} images/s  "
-              f"device peak {memory.gib} GiB", flush=True)
-    if engines.device.type == "cuda":
-        results["this_process_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+              f"device peak {memory.gib} GiB (+{memory.added_gib})", flush=True)
     times = [results[engine]["median_s"] for engine in ("diffusers", "vllm-omni")]
     results["speedup"] = round(times[0] / times[1], 3)
     return results
@@ -351,31 +377,36 @@ def main():
     parser.add_argument("--train-iterations", type=int, default=3)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device)
     check = Check(args)
     print(f"omni_check: {json.dumps(check.results['versions'])}", flush=True)
+    try:
+        run_phases(args, check, torch.device(args.device))
+    finally:
+        check.watchdog.cancel()  # a caller that goes on (a test) is not ended at the budget
+    print(f"omni_check: {check.path} ({time.perf_counter() - check.start:.0f} s)", flush=True)
+
+
+def run_phases(args, check, device):
     check.run("smoke", lambda: smoke(args, device))
     check.run("weights", lambda: build_weights(args, device))
-    engines = None
+    engines = []  # the SD3.5-M pipeline and engine of the zero, lora and speed phases
 
     def start_engines():
-        nonlocal engines
-        engines = Engines(args, str(args.model_dir), device, args.num_prompts, args.group_size,
-                          args.resolution, args.max_sequence_length)
-        return zero_lora(engines)
+        engines.append(Engines(args, str(args.model_dir), device, args.num_prompts,
+                               args.group_size, args.resolution, args.max_sequence_length))
+        return zero_lora(engines[0])
 
     try:
         check.run("zero", start_engines, "weights")
-        check.run("lora", lambda: random_lora(engines, args.lora_b_std), "zero")
-        check.run("speed", lambda: speed(engines, args.repeats), "zero")
+        check.run("lora", lambda: random_lora(engines[0], args.lora_b_std), "zero")
+        check.run("speed", lambda: speed(engines[0], args.repeats), "zero")
     finally:
-        if engines is not None:
-            engines.close()
-    del engines
+        for engine in engines:
+            engine.close()
+    engines.clear()  # the crd.py runs below get the memory
     if device.type == "cuda":
         torch.cuda.empty_cache()
     check.run("train", lambda: train_runs(args, check), "weights")
-    print(f"omni_check: {check.path} ({time.perf_counter() - check.start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

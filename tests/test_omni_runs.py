@@ -24,7 +24,7 @@ import omni_rollout
 import rollout
 from tensorboard_logs import scalars
 from test_omni_rollout import write_stand_in
-from test_omni_rollout import lora_pipe, on_cpu, stand_in, stand_in_dir  # noqa: F401 (fixtures)
+from test_omni_rollout import lora_pipe, on_cpu, stand_in, stand_in_dir  # noqa: F401, F811
 from test_trainers import ROOT, TINY_RUN, train
 
 # A trainer under the stand-in: its folder first on sys.path, the CPU accepted as the on_cpu
