@@ -38,6 +38,7 @@ from checkpoint import (GracefulStop, RunComplete, RunError, actor_peak_memory, 
                         prepare_run, prompt_files_sha256, save_checkpoint, save_last_iteration,
                         start_state, summary_of_state)
 from data import DataError, load_train_and_eval_prompts
+from omni_rollout import OmniRollout, check_engine
 from precompile import Precompile
 from reward import (JUDGES, READERS, GuardedScorer, ScoringThread, aggregate_rewards,
                     check_reward_model, component_means, format_mix, judge_names, make_judge,
@@ -274,6 +275,38 @@ def loading_errors_as_one_line():
         if out_of_memory(error):
             raise
         fail(error)
+
+
+class RolloutEngine:
+    """What runs the loop's rollouts: rollout.sample (--rollout-engine diffusers), or its call
+    through vLLM-Omni on the one actor GPU (vllm-omni: omni_rollout.OmniRollout, started once the
+    LoRA adapters exist). Made inside loading_errors_as_one_line: a run the engine cannot serve
+    (several ranks, no CUDA GPU, vllm-omni missing, weights built in memory) is one line."""
+
+    def __init__(self, args, world_size, device):
+        self.args = args
+        self.world_size = world_size
+        self.omni = None
+        self.sample = sample
+        if args.rollout_engine == "vllm-omni":
+            check_engine(world_size, device, args.model)  # loads nothing: before the models
+
+    def start(self, pipe, dtype):
+        """The vLLM-Omni engine, on `pipe` with its adapters; its start-up check (a non-zero adapter
+        changes its output) failing is one line."""
+        if self.args.rollout_engine != "vllm-omni":
+            return
+        with loading_errors_as_one_line():
+            self.omni = OmniRollout(pipe, self.args.model, pipe.transformer.device,
+                                    self.world_size, dtype, enforce_eager=not self.args.compile)
+        self.sample = self.omni.sample
+
+    def close(self):
+        """Shut the engine down (its processes end before the trainer exits)."""
+        if self.omni is not None:
+            self.omni.close()
+            self.omni = None
+            self.sample = sample
 
 
 def image_seed(seed, iteration, index):

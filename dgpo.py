@@ -24,12 +24,12 @@ import torch
 import tyro
 from einops import rearrange
 
-from common import (Compiler, GuardedStep, Run, TrainingRows, Validation, check_numbers,
-                    check_shared_args, fail, image_seed, loading_errors_as_one_line,
-                    training_scorer)
+from common import (Compiler, GuardedStep, RolloutEngine, Run, TrainingRows, Validation,
+                    check_numbers, check_shared_args, fail, image_seed,
+                    loading_errors_as_one_line, training_scorer)
 from data import GroupSampler
 from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
-                     negative_embeddings, sample, use_adapter)
+                     negative_embeddings, use_adapter)
 
 # --reward and --eval-judge take several words (--reward qwen-vl=0.8 pickscore=0.2) as one string:
 # common.WORDS, copied here as the trainers import few names
@@ -73,6 +73,8 @@ class Args:
     """images per prompt: the group that advantages and centering run over"""
     num_steps: int = 10
     """rollout ODE steps (CFG 1, the sampling adapter)"""
+    rollout_engine: Literal["diffusers", "vllm-omni"] = "diffusers"
+    """what runs the rollout ODE: diffusers, or vLLM-Omni on one GPU (requirements-vllm.txt)"""
     max_sequence_length: int = 256
     """T5 prompt tokens"""
     text_encoder_device: str = ""
@@ -307,6 +309,7 @@ if __name__ == "__main__":
     images_per_rank = args.prompts_per_rank * args.group_size
     micro_rows = args.train_batch_size * args.num_train_timesteps  # training rows of one step
     with loading_errors_as_one_line():
+        engine = RolloutEngine(args, run.world_size, device)  # vllm-omni: checked, not started
         train_set, eval_set = run.read_inputs()  # prompts and model paths; --dry-run ends here
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, args.group_size, args.seed,
                                run.rank, run.world_size)
@@ -326,6 +329,7 @@ if __name__ == "__main__":
                                   weight_decay=args.weight_decay, eps=args.adam_eps)
     optimizer_step = GuardedStep(optimizer, params, args, run.world_size)
     state = run.start(transformer, optimizer, sampler, pipe)  # a new run's state, or the resumed
+    engine.start(pipe, run.dtype)  # vllm-omni: loads the model, checks that an adapter binds
 
     if validation.due(0) and not state["eval"]:
         state["eval"].append(validation(0))
@@ -339,8 +343,9 @@ if __name__ == "__main__":
         seeds = [image_seed(args.seed, iteration, run.rank * images_per_rank + j)
                  for j in range(images_per_rank)]
         with use_adapter(transformer, ROLLOUT_ADAPTER), run.autocast:
-            samples = sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.resolution,
-                             args.resolution, args.forward_batch_size, progress=run.main_process)
+            samples = engine.sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0,
+                                    args.resolution, args.resolution, args.forward_batch_size,
+                                    progress=run.main_process)
         timer.lap("rollout_s")
         scorer.submit(samples["images"], targets, prompts)  # read while the passes below run
 
@@ -404,4 +409,5 @@ if __name__ == "__main__":
             break
         run.save_if_due()
 
+    engine.close()  # vllm-omni: its processes end before the exit
     run.finish()  # summary.json and the exit status

@@ -42,9 +42,10 @@ ENGINE_DEVICE_TYPES = ("cuda",)  # vLLM-Omni has no CPU diffusion path
 PROBE_SIZE, PROBE_STEPS = 64, 2  # the start-up adapter check: one image, 64 px, 2 steps
 
 
-def check_engine(world_size: int, device) -> None:
+def check_engine(world_size: int, device, model: str | None = None) -> None:
     """Why this run cannot roll out with vLLM-Omni, as a RuntimeError of one line: several ranks, a
-    device that is not the first CUDA GPU, vllm-omni not installed. Loads nothing."""
+    device that is not the first CUDA GPU, vllm-omni not installed, a `model` built in memory.
+    Loads nothing."""
     device = torch.device(device)
     if world_size > 1:
         raise RuntimeError(f"{FLAG} runs on one actor rank; this run has {world_size} (use the "
@@ -58,6 +59,8 @@ def check_engine(world_size: int, device) -> None:
     if importlib.util.find_spec("vllm_omni") is None:
         raise RuntimeError(f"{FLAG}: vllm-omni is not installed (pip install -r "
                            "requirements-vllm.txt on a GPU machine), or use the diffusers engine")
+    if model == rollout.RANDOM_MEDIUM:
+        engine_model_path(model)  # its line: the engine loads files
 
 
 def engine_model_path(model: str) -> str:

@@ -253,14 +253,18 @@ STAND_IN = {
 }
 
 
-@pytest.fixture(scope="module")
-def stand_in_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stand_in")
+def write_stand_in(root):
+    """The stand-in vllm_omni package under `root` (put `root` on sys.path to import it)."""
     for path, source in STAND_IN.items():
         file = root / path
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(textwrap.dedent(source))
     return root
+
+
+@pytest.fixture(scope="module")
+def stand_in_dir(tmp_path_factory):
+    return write_stand_in(tmp_path_factory.mktemp("stand_in"))
 
 
 @pytest.fixture
