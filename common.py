@@ -41,7 +41,7 @@ from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
 from reward import (JUDGES, READERS, GuardedScorer, ScoringThread, aggregate_rewards,
                     check_reward_model, component_means, format_mix, judge_names, make_judge,
-                    make_judges, make_mix, parse_mix, weighted_sum)
+                    make_guarded_judges, make_mix, parse_mix, weighted_sum)
 from rollout import (CompileCache, available_host_memory, captioned_grid, check_model_path,
                      compile_blocks, compile_decoder, encode_prompts, images_per_call,
                      nonfinite_images, predict_velocity, sample, use_adapter, warn_cut_targets)
@@ -578,7 +578,10 @@ class Validation:
     --eval-guidance, on the main process; the scorer and each --eval-judge (in a thread of its own)
     read each chunk of images while the next one samples. Logs the reward (a mix's weighted sum,
     and each component as eval/reward_<name>), each judge (judge_tag), a captioned grid, the
-    transcriptions and the time it took. A judge that is part of --reward is not scored again."""
+    transcriptions and the time it took. A judge that is part of --reward is not scored again.
+    A judge that fails (to load, or in a validation: its server died, its model raised) is a
+    second opinion lost, not the run: one warning line names it and its error, the run goes on
+    without it (no eval/<judge> from then on) and summary.json's failed_judges says why."""
 
     def __init__(self, pipe, eval_set, args, scorer, negative, run):
         self.pipe = pipe
@@ -589,11 +592,14 @@ class Validation:
         self.prompts = [r["prompt"] for r in eval_set]
         self.targets = [r["target"] for r in eval_set]
         self.weights = parse_mix(args.reward)
-        self.judges = []  # ScoringThreads of reward.Judges
+        self.judges = []  # ScoringThreads of reward.GuardedJudges
+        self.judge_names = []  # as listed, those that failed too: the first is the summary's judge
         if run.main_process and args.eval_every:
             names = [name for name in judge_names(args.eval_judge) if name not in self.weights]
-            judges = make_judges(names, **scorer_options(args, run.device))
+            judges = make_guarded_judges(names, **scorer_options(args, run.device))
+            self.judge_names = names
             self.judges = [ScoringThread(judge) for judge in judges]
+            self.drop_failed_judges("loading the models")
 
     def due(self, iteration):
         """Whether this process validates after `iteration` iterations (0: before training)."""
@@ -632,6 +638,7 @@ class Validation:
         if self.judges:  # they add the wait for the part of them not hidden behind the sampling
             waited = time.perf_counter()
             judged = {judge.scorer.name: judge.take() for judge in self.judges}
+            judged = {name: judged[name] for name in self.drop_failed_judges(self.run.phase)}
             writer.add_scalar("perf/eval_judge_wait_s", time.perf_counter() - waited, iteration)
             for name, (judge_scores, _) in judged.items():
                 writer.add_scalar(judge_tag(name), float(np.mean(judge_scores)), iteration)
@@ -649,8 +656,20 @@ class Validation:
         writer.add_scalar("perf/eval_s", time.perf_counter() - started, iteration)
         self.run.phase = None
         means = {name: float(np.mean(judge_scores)) for name, (judge_scores, _) in judged.items()}
-        entry = [iteration, float(np.mean(scores)), next(iter(means.values()), None)]
-        return entry + [means] if means and list(means) != ["paddle"] else entry
+        first = self.judge_names[0] if self.judge_names else None
+        entry = [iteration, float(np.mean(scores)), means.get(first)]
+        return entry + [means] if means and self.judge_names != ["paddle"] else entry
+
+    def drop_failed_judges(self, where):
+        """Warn once of each judge that has failed, in one line, and score with it no more; returns
+        the names of the judges that go on."""
+        for judge in [judge for judge in self.judges if judge.failure]:
+            judge.cancel()
+            self.judges.remove(judge)
+            self.run.failed_judges[judge.scorer.name] = judge.failure
+            print(f"{where}: warning: {judge.failure}; the run goes on without it (summary.json: "
+                  "failed_judges)", flush=True)
+        return [judge.scorer.name for judge in self.judges]
 
     def score_chunk(self, rows, images):
         self.scorer.submit(images, self.targets[rows], self.prompts[rows])
@@ -740,6 +759,7 @@ class Run:
         self.nonfinite_before = 0  # rollout.nonfinite_images() when the iteration began
         self.warned = {}  # {what: (where it was first, how often)} (warn)
         self.reward_weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
+        self.failed_judges = {}  # {judge: why}, of this start (Validation)
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
                                   self.keep_after_out_of_memory)
 
@@ -911,7 +931,8 @@ class Run:
         return f"the {part} of iteration {self.state['iteration'] + 1}"
 
     def write_summary(self):
-        summary = summary_of_state(self.dir, self.state, self.stopped_by, self.device)
+        summary = summary_of_state(self.dir, self.state, self.stopped_by, self.device,
+                                   self.failed_judges)
         self.writer.close()
         return summary
 

@@ -652,6 +652,48 @@ def make_judges(names, **options) -> list[Judge]:
     return [make_judge(name, **options) for name in judge_names(names)]
 
 
+def judge_failure(name: str, error: Exception) -> str:
+    """One line naming the judge and its error: a server's message as it is, else its type and
+    the first line of its message."""
+    lines = str(error).splitlines()
+    message = lines[0] if lines else ""
+    if not isinstance(error, ServerError):
+        message = f"{type(error).__name__}: {message}" if message else repr(error)
+    return f"the {name} judge failed: {message}"
+
+
+class GuardedJudge:
+    """A judge that does not raise. A judge is a second opinion: when it fails (its server died,
+    its model raises or runs out of memory), the trainers and evaluate.py go on without it
+    rather than lose the run. The first error is kept in `failure`, one line naming the judge
+    (judge_failure); from then on it scores NaN without calling its scorer again. judge None:
+    it failed to load, with `failure` saying why."""
+
+    def __init__(self, name: str, judge: Judge | None, failure: str | None = None):
+        self.name, self.judge, self.failure = name, judge, failure
+
+    def __call__(self, images, targets=None, prompts=None):
+        if self.failure is None:
+            try:
+                return self.judge(images, targets, prompts)
+            except Exception as error:  # any error: a second opinion must not end the program
+                self.failure = judge_failure(self.name, error)
+        return np.full(len(images), np.nan, dtype=np.float32), [""] * len(images)
+
+
+def make_guarded_judges(names, **options) -> list[GuardedJudge]:
+    """make_judges, each judge guarded (GuardedJudge): one that cannot be built (its server
+    down, its model folder broken) is returned as failed already. An unknown name or one listed
+    twice is still a ValueError before any model is loaded."""
+    judges = []
+    for name in judge_names(names):
+        try:
+            judges.append(GuardedJudge(name, make_judge(name, **options)))
+        except Exception as error:  # as GuardedJudge: the other judges and the run go on
+            judges.append(GuardedJudge(name, None, judge_failure(name, error)))
+    return judges
+
+
 # ---- a weighted mix of rewards -----------------------------------------------------------------
 
 
