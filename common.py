@@ -40,8 +40,9 @@ from checkpoint import (GracefulStop, RunComplete, RunError, actor_peak_memory, 
 from data import DataError, load_train_and_eval_prompts
 from precompile import Precompile
 from reward import (JUDGES, READERS, GuardedScorer, ScoringThread, aggregate_rewards,
-                    check_reward_model, component_means, format_mix, judge_names, make_judge,
-                    make_guarded_judges, make_mix, parse_mix, weighted_sum)
+                    check_reward_model, component_means, judge_names, make_judge,
+                    make_guarded_judges, make_mix, normalize_reward_specs, parse_mix,
+                    weighted_sum)
 from rollout import (CompileCache, available_host_memory, captioned_grid, check_model_path,
                      compile_blocks, compile_decoder, encode_prompts, images_per_call,
                      nonfinite_images, predict_velocity, sample, use_adapter, warn_cut_targets)
@@ -97,21 +98,12 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.max_sequence_length > 512:
         fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most "
              "512 tokens")
-    # canonical, as checkpoints and run names record them: "qwen-vl", "qwen-vl=0.8 pickscore=0.2"
-    try:
-        args.reward = format_mix(parse_mix(args.reward))
+    try:  # canonical, as checkpoints and run names record them
+        args.reward, args.eval_judge = normalize_reward_specs(
+            args.reward, args.eval_judge, "--eval-judge", args.reward_urls, args.aesthetic_head,
+            judged=bool(args.eval_every))
     except ValueError as error:
-        fail(f"--reward: {error}")
-    try:
-        args.eval_judge = " ".join(judge_names(args.eval_judge)) or "none"
-    except ValueError as error:
-        fail(f"--eval-judge: {error}")
-    scorers = scorers_of(args)
-    if "vllm" in scorers and not args.reward_urls:
-        fail("--reward-urls: the vllm reward or judge needs at least one server URL")
-    if "aesthetic" in scorers and not args.aesthetic_head:
-        fail("--aesthetic-head: the aesthetic reward or judge needs the LAION head's file "
-             "(sac+logos+ava1-l14-linearMSE.pth)")
+        fail(error)
     if args.eval_every and args.eval_prompts < 1:
         fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns "
              "validation off)")

@@ -39,8 +39,8 @@ from checkpoint import RunError, read_adapters
 from common import (WORDS, check_devices, check_judge_models, fail, image_rewards,
                     one_line_on_out_of_memory, out_of_memory)
 from data import DataError, load_prompts
-from reward import (JUDGES, ScoringThread, ServerError, format_mix, judge_names,
-                    make_guarded_judges, make_judge, make_mix, parse_mix)
+from reward import (JUDGES, ScoringThread, ServerError, judge_names, make_guarded_judges,
+                    make_judge, make_mix, normalize_reward_specs, parse_mix)
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
                      sample)
@@ -158,20 +158,11 @@ def check_args(args):
         fail(f"--max-sequence-length {args.max_sequence_length}: must lie in [1, 512] (SD3's T5 encoder)")
     if not 0 <= args.seed < 2**62:
         fail(f"--seed {args.seed}: must lie in [0, 2^62)")
-    try:  # canonical: "qwen-vl", "qwen-vl=0.8 pickscore=0.2", as the trainers record them
-        args.reward = format_mix(parse_mix(args.reward))
+    try:  # canonical, as the trainers record them
+        args.reward, args.judge = normalize_reward_specs(args.reward, args.judge, "--judge",
+                                                         args.reward_urls, args.aesthetic_head)
     except ValueError as error:
-        fail(f"--reward: {error}")
-    try:
-        args.judge = " ".join(judge_names(args.judge)) or "none"
-    except ValueError as error:
-        fail(f"--judge: {error}")
-    scorers = set(parse_mix(args.reward)) | set(judge_names(args.judge))
-    if "vllm" in scorers and not args.reward_urls:
-        fail("--reward-urls: the vllm reward or judge needs at least one server URL")
-    if "aesthetic" in scorers and not args.aesthetic_head:
-        fail("--aesthetic-head: the aesthetic reward or judge needs the LAION head's file "
-             "(sac+logos+ava1-l14-linearMSE.pth)")
+        fail(error)
     check_devices(args, "evaluate.py runs")
 
 

@@ -726,6 +726,31 @@ def parse_mix(spec) -> dict[str, float]:
     return weights
 
 
+def normalize_reward_specs(reward, judges, judge_flag: str, urls, aesthetic_head,
+                           judged: bool = True) -> tuple[str, str]:
+    """The canonical (reward, judges) specs of the trainers' --reward and --eval-judge, or
+    evaluate.py's --reward and --judge (judge_flag names it), as checkpoints, run names and
+    results record them: ("qwen-vl=0.8 pickscore=0.2", "paddle flat"; "none": no judge). A
+    ValueError in one line names the flag: a bad spec, or a vllm or aesthetic reward or judge
+    without its --reward-urls or --aesthetic-head. judged: whether the judges are scored (a
+    trainer that never validates loads none)."""
+    try:
+        reward = format_mix(parse_mix(reward))
+    except ValueError as error:
+        raise ValueError(f"--reward: {error}") from None
+    try:
+        names = judge_names(judges)
+    except ValueError as error:
+        raise ValueError(f"{judge_flag}: {error}") from None
+    scorers = set(parse_mix(reward)) | set(names if judged else [])
+    if "vllm" in scorers and not urls:
+        raise ValueError("--reward-urls: the vllm reward or judge needs at least one server URL")
+    if "aesthetic" in scorers and not aesthetic_head:
+        raise ValueError("--aesthetic-head: the aesthetic reward or judge needs the LAION head's "
+                         "file (sac+logos+ava1-l14-linearMSE.pth)")
+    return reward, " ".join(names) or "none"
+
+
 def format_mix(weights: dict[str, float]) -> str:
     """The canonical spec of a mix ("qwen-vl=0.8 pickscore=0.2"); one reward of weight 1 is its
     bare name, so a one-reward run is named as today. parse_mix(format_mix(w)) == w."""
