@@ -54,13 +54,15 @@ SAFE_TO_CHANGE_ON_RESUME = {
     "gradient_checkpointing", "reward_urls", "reward_timeout", "reward_retries",  # the same scorer, reached otherwise
     # validation cost: it never feeds training (the change is printed: the eval curve changes protocol there)
     "eval_every", "eval_prompts", "eval_steps", "eval_judge", "dry_run",
+    "track", "wandb_project_name", "wandb_entity",  # where the run is logged besides TensorBoard
 }
 # Settings added after runs had been saved: {field: the value every run before it had}. A checkpoint
 # records one only where it differs (record_args), so a run at these values saves what it saved
 # before and a checkpoint without it resumes as having that value.
 ADDED_SETTINGS = {"reward_aggregation": "sum", "pickscore_model": PICKSCORE_MODEL,
                   "pickscore_processor": PICKSCORE_PROCESSOR, "aesthetic_model": AESTHETIC_CLIP,
-                  "aesthetic_head": ""}
+                  "aesthetic_head": "",
+                  "track": False, "wandb_project_name": "crd", "wandb_entity": ""}
 # The models of a reward or judge: they define the run where the reward has that component, and
 # may change otherwise (a judge's, which never feeds training)
 JUDGE_MODELS = {"pickscore_model": "pickscore", "pickscore_processor": "pickscore",

@@ -12,6 +12,7 @@ here.
     run.finish()                                # summary.json and the exit status
 """
 
+import importlib
 import json
 import math
 import os
@@ -119,12 +120,42 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size "
              "2)")
+    if args.track:
+        check_tracking()
     check_algorithm_args(args)
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
              f"trained steps of the {args.num_steps}-step rollout grid")
     check_devices(args, "the trainers run")
+
+
+def check_tracking():
+    """--track needs wandb, an optional extra: one line if it is not installed."""
+    try:
+        importlib.import_module("wandb")
+    except ImportError as error:
+        fail(f"--track: wandb is not installed ({error}); install it with "
+             "pip install -r requirements-track.txt")
+
+
+WANDB_RUN_ID = "wandb_run_id"  # in the run directory: a resume continues the same W&B run
+
+
+def start_tracking(args, run_dir, resumed):
+    """--track: the run in Weights & Biases (as cleanRL does it), its TensorBoard scalars synced,
+    so before the SummaryWriter is made; a resumed run continues the W&B run it had."""
+    import wandb
+
+    id_file = Path(run_dir) / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: new
+    # the run directory as TensorBoard's root: else wandb waits 10 s for more log directories
+    wandb.tensorboard.patch(root_logdir=str(run_dir))
+    tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
+                          sync_tensorboard=True, config=vars(args), name=Path(run_dir).name,
+                          id=run_id, resume="allow")
+    id_file.write_text(tracking.id + "\n")
+    return tracking
 
 
 def scorers_of(args):
@@ -741,6 +772,7 @@ class Run:
         self.autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
         torch.manual_seed(args.seed)  # the LoRA init; rollouts and training seed their own noise
         self.writer = None
+        self.tracking = None  # the W&B run of --track (main process)
         self.bar = None
         self.stop_signal = 0
         self.stopped_by = None
@@ -786,6 +818,8 @@ class Run:
             fail(error)
         if self.main_process:
             purge = state["iteration"] + 1 if state["iteration"] else None
+            if args.track:
+                self.tracking = start_tracking(args, self.dir, resumed=bool(state["iteration"]))
             self.writer = SummaryWriter(self.dir, purge_step=purge)
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
@@ -942,6 +976,8 @@ class Run:
             # the first line named the run directory, many progress lines ago
             print(f"run {self.dir}: summary.json, TensorBoard events and checkpoints", flush=True)
         exit_code = run_exit_code(self.stop_signal, self.stopped_by, state["iteration"], self.dir)
+        if self.tracking:  # before os._exit below, which skips wandb's own exit hook
+            self.tracking.finish(exit_code=exit_code)
         if self.world_size > 1:
             leave_process_group()
             os._exit(exit_code)  # skips the interpreter's teardown, where gloo's threads may abort
