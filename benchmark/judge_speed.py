@@ -126,7 +126,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the JSON file written")
     parser.add_argument("--tiny", action="store_true",
-                        help="reward.build_tiny_clip's sizes instead of PickScore_v1's (CPU checks)")
+                        help="reward.build_tiny_clip's sizes, not PickScore_v1's (CPU checks)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-images", type=int, default=32,
                         help="images of one validation (the trainers' --eval-prompts, 32)")
