@@ -616,11 +616,11 @@ class Validation:
         self.targets = [r["target"] for r in eval_set]
         self.weights = parse_mix(args.reward)
         self.judges = []  # ScoringThreads of reward.GuardedJudges
-        self.judge_names = []  # as listed, those that failed too: the first is the summary's judge
+        self.listed_judges = []  # as listed, those that failed too: the first is the summary's judge
         if run.main_process and args.eval_every:
             names = [name for name in judge_names(args.eval_judge) if name not in self.weights]
             judges = make_guarded_judges(names, **scorer_options(args, run.device))
-            self.judge_names = names
+            self.listed_judges = names
             self.judges = [ScoringThread(judge) for judge in judges]
             self.drop_failed_judges("loading the models")
 
@@ -679,9 +679,9 @@ class Validation:
         writer.add_scalar("perf/eval_s", time.perf_counter() - started, iteration)
         self.run.phase = None
         means = {name: float(np.mean(judge_scores)) for name, (judge_scores, _) in judged.items()}
-        first = self.judge_names[0] if self.judge_names else None
+        first = self.listed_judges[0] if self.listed_judges else None
         entry = [iteration, float(np.mean(scores)), means.get(first)]
-        return entry + [means] if means and self.judge_names != ["paddle"] else entry
+        return entry + [means] if means and self.listed_judges != ["paddle"] else entry
 
     def drop_failed_judges(self, where):
         """Warn once of each judge that has failed, in one line, and score with it no more; returns
