@@ -55,13 +55,15 @@ SAFE_TO_CHANGE_ON_RESUME = {
     # validation cost: it never feeds training (the change is printed: the eval curve changes protocol there)
     "eval_every", "eval_prompts", "eval_steps", "eval_judge", "dry_run",
     "rollout_engine",  # the same Euler ODE and seeded noise, through vLLM-Omni or diffusers
+    "track", "wandb_project_name", "wandb_entity",  # where the run is logged besides TensorBoard
 }
 # Settings added after runs had been saved: {field: the value every run before it had}. A checkpoint
 # records one only where it differs (record_args), so a run at these values saves what it saved
 # before and a checkpoint without it resumes as having that value.
 ADDED_SETTINGS = {"reward_aggregation": "sum", "pickscore_model": PICKSCORE_MODEL,
                   "pickscore_processor": PICKSCORE_PROCESSOR, "aesthetic_model": AESTHETIC_CLIP,
-                  "aesthetic_head": "", "rollout_engine": "diffusers"}
+                  "aesthetic_head": "", "rollout_engine": "diffusers",
+                  "track": False, "wandb_project_name": "crd", "wandb_entity": ""}
 # The models of a reward or judge: they define the run where the reward has that component, and
 # may change otherwise (a judge's, which never feeds training)
 JUDGE_MODELS = {"pickscore_model": "pickscore", "pickscore_processor": "pickscore",
@@ -507,10 +509,10 @@ def save_last_iteration(run_dir, state, transformer, optimizer, keep_last, stopp
     sys.exit(f"{Path(sys.argv[0]).name}: error: {failure}")
 
 
-def summary_of_state(run_dir, state, stopped_by, device=None):
+def summary_of_state(run_dir, state, stopped_by, device=None, failed_judges=None):
     """write_summary of a trainer's state (start_state's: it holds the run's Args, algorithm and
     world size), as the trainer writes it at its end; `device`: the actor's (default: its --device,
-    as the trainers name it)."""
+    as the trainers name it); failed_judges: {judge: why} of the judges that failed."""
     args = SimpleNamespace(**state["args"])
     world_size = state["world_size"]
     if device is None:
@@ -520,7 +522,7 @@ def summary_of_state(run_dir, state, stopped_by, device=None):
     roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
     images = world_size * args.prompts_per_rank * args.group_size
     return write_summary(run_dir, state, args, state["algorithm"], world_size, images, stopped_by,
-                         other_gpus_memory(device, roles))
+                         other_gpus_memory(device, roles), failed_judges)
 
 
 def prompt_files_sha256(run_args):
@@ -677,9 +679,11 @@ def other_gpus_memory(actor_device, roles):
     return memory
 
 
-def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by, other_gpus):
+def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by,
+                  other_gpus, failed_judges=None):
     """summary.json: whether the run did all its iterations (else what stopped it), validation rewards, iteration
-    times with the first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory."""
+    times with the first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory.
+    failed_judges ({judge: why}: the judges this start went on without) only where one failed."""
     history = [entry for entry in state["eval"] if np.isfinite(entry[1])]  # NaN: its scorer failed (the run stopped)
     times = state["iteration_s"]
     warmups = set(state["start_iterations"])
@@ -709,6 +713,8 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
         summary["eval_judges"] = {name: {"initial": next(m[name] for m in judged if name in m),
                                          "final": next(m[name] for m in reversed(judged) if name in m)}
                                   for name in names}
+    if failed_judges:
+        summary["failed_judges"] = dict(failed_judges)
     partial = run_dir / ".summary.json.tmp"  # replaced at once: a kill never leaves half a summary
     partial.write_text(json.dumps(summary, indent=1, allow_nan=False))
     partial.replace(run_dir / "summary.json")

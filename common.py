@@ -12,6 +12,7 @@ here.
     run.finish()                                # summary.json and the exit status
 """
 
+import importlib
 import json
 import math
 import os
@@ -41,8 +42,9 @@ from data import DataError, load_train_and_eval_prompts
 from omni_rollout import OmniRollout, check_engine
 from precompile import Precompile
 from reward import (JUDGES, READERS, GuardedScorer, ScoringThread, aggregate_rewards,
-                    check_reward_model, component_means, format_mix, judge_names, make_judge,
-                    make_judges, make_mix, parse_mix, weighted_sum)
+                    check_reward_model, component_means, judge_names, make_judge,
+                    make_guarded_judges, make_mix, normalize_reward_specs, parse_mix,
+                    weighted_sum)
 from rollout import (CompileCache, available_host_memory, captioned_grid, check_model_path,
                      compile_blocks, compile_decoder, encode_prompts, images_per_call,
                      nonfinite_images, predict_velocity, sample, use_adapter, warn_cut_targets)
@@ -98,21 +100,12 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.max_sequence_length > 512:
         fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most "
              "512 tokens")
-    # canonical, as checkpoints and run names record them: "qwen-vl", "qwen-vl=0.8 pickscore=0.2"
-    try:
-        args.reward = format_mix(parse_mix(args.reward))
+    try:  # canonical, as checkpoints and run names record them
+        args.reward, args.eval_judge = normalize_reward_specs(
+            args.reward, args.eval_judge, "--eval-judge", args.reward_urls, args.aesthetic_head,
+            judged=bool(args.eval_every))
     except ValueError as error:
-        fail(f"--reward: {error}")
-    try:
-        args.eval_judge = " ".join(judge_names(args.eval_judge)) or "none"
-    except ValueError as error:
-        fail(f"--eval-judge: {error}")
-    scorers = scorers_of(args)
-    if "vllm" in scorers and not args.reward_urls:
-        fail("--reward-urls: the vllm reward or judge needs at least one server URL")
-    if "aesthetic" in scorers and not args.aesthetic_head:
-        fail("--aesthetic-head: the aesthetic reward or judge needs the LAION head's file "
-             "(sac+logos+ava1-l14-linearMSE.pth)")
+        fail(error)
     if args.eval_every and args.eval_prompts < 1:
         fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns "
              "validation off)")
@@ -128,12 +121,42 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size "
              "2)")
+    if args.track:
+        check_tracking()
     check_algorithm_args(args)
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
              f"trained steps of the {args.num_steps}-step rollout grid")
     check_devices(args, "the trainers run")
+
+
+def check_tracking():
+    """--track needs wandb, an optional extra: one line if it is not installed."""
+    try:
+        importlib.import_module("wandb")
+    except ImportError as error:
+        fail(f"--track: wandb is not installed ({error}); install it with "
+             "pip install -r requirements-track.txt")
+
+
+WANDB_RUN_ID = "wandb_run_id"  # in the run directory: a resume continues the same W&B run
+
+
+def start_tracking(args, run_dir, resumed):
+    """--track: the run in Weights & Biases (as cleanRL does it), its TensorBoard scalars synced,
+    so before the SummaryWriter is made; a resumed run continues the W&B run it had."""
+    import wandb
+
+    id_file = Path(run_dir) / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: new
+    # the run directory as TensorBoard's root: else wandb waits 10 s for more log directories
+    wandb.tensorboard.patch(root_logdir=str(run_dir))
+    tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
+                          sync_tensorboard=True, config=vars(args), name=Path(run_dir).name,
+                          id=run_id, resume="allow")
+    id_file.write_text(tracking.id + "\n")
+    return tracking
 
 
 def scorers_of(args):
@@ -611,7 +634,10 @@ class Validation:
     --eval-guidance, on the main process; the scorer and each --eval-judge (in a thread of its own)
     read each chunk of images while the next one samples. Logs the reward (a mix's weighted sum,
     and each component as eval/reward_<name>), each judge (judge_tag), a captioned grid, the
-    transcriptions and the time it took. A judge that is part of --reward is not scored again."""
+    transcriptions and the time it took. A judge that is part of --reward is not scored again.
+    A judge that fails (to load, or in a validation: its server died, its model raised) is a
+    second opinion lost, not the run: one warning line names it and its error, the run goes on
+    without it (no eval/<judge> from then on) and summary.json's failed_judges says why."""
 
     def __init__(self, pipe, eval_set, args, scorer, negative, run):
         self.pipe = pipe
@@ -622,11 +648,14 @@ class Validation:
         self.prompts = [r["prompt"] for r in eval_set]
         self.targets = [r["target"] for r in eval_set]
         self.weights = parse_mix(args.reward)
-        self.judges = []  # ScoringThreads of reward.Judges
+        self.judges = []  # ScoringThreads of reward.GuardedJudges
+        self.listed_judges = []  # as listed, those that failed too: the first is the summary's judge
         if run.main_process and args.eval_every:
             names = [name for name in judge_names(args.eval_judge) if name not in self.weights]
-            judges = make_judges(names, **scorer_options(args, run.device))
+            judges = make_guarded_judges(names, **scorer_options(args, run.device))
+            self.listed_judges = names
             self.judges = [ScoringThread(judge) for judge in judges]
+            self.drop_failed_judges("loading the models")
 
     def due(self, iteration):
         """Whether this process validates after `iteration` iterations (0: before training)."""
@@ -665,6 +694,7 @@ class Validation:
         if self.judges:  # they add the wait for the part of them not hidden behind the sampling
             waited = time.perf_counter()
             judged = {judge.scorer.name: judge.take() for judge in self.judges}
+            judged = {name: judged[name] for name in self.drop_failed_judges(self.run.phase)}
             writer.add_scalar("perf/eval_judge_wait_s", time.perf_counter() - waited, iteration)
             for name, (judge_scores, _) in judged.items():
                 writer.add_scalar(judge_tag(name), float(np.mean(judge_scores)), iteration)
@@ -682,8 +712,20 @@ class Validation:
         writer.add_scalar("perf/eval_s", time.perf_counter() - started, iteration)
         self.run.phase = None
         means = {name: float(np.mean(judge_scores)) for name, (judge_scores, _) in judged.items()}
-        entry = [iteration, float(np.mean(scores)), next(iter(means.values()), None)]
-        return entry + [means] if means and list(means) != ["paddle"] else entry
+        first = self.listed_judges[0] if self.listed_judges else None
+        entry = [iteration, float(np.mean(scores)), means.get(first)]
+        return entry + [means] if means and self.listed_judges != ["paddle"] else entry
+
+    def drop_failed_judges(self, where):
+        """Warn once of each judge that has failed, in one line, and score with it no more; returns
+        the names of the judges that go on."""
+        for judge in [judge for judge in self.judges if judge.failure]:
+            judge.cancel()
+            self.judges.remove(judge)
+            self.run.failed_judges[judge.scorer.name] = judge.failure
+            print(f"{where}: warning: {judge.failure}; the run goes on without it (summary.json: "
+                  "failed_judges)", flush=True)
+        return [judge.scorer.name for judge in self.judges]
 
     def score_chunk(self, rows, images):
         self.scorer.submit(images, self.targets[rows], self.prompts[rows])
@@ -763,6 +805,7 @@ class Run:
         self.autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
         torch.manual_seed(args.seed)  # the LoRA init; rollouts and training seed their own noise
         self.writer = None
+        self.tracking = None  # the W&B run of --track (main process)
         self.bar = None
         self.stop_signal = 0
         self.stopped_by = None
@@ -773,6 +816,7 @@ class Run:
         self.nonfinite_before = 0  # rollout.nonfinite_images() when the iteration began
         self.warned = {}  # {what: (where it was first, how often)} (warn)
         self.reward_weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
+        self.failed_judges = {}  # {judge: why}, of this start (Validation)
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
                                   self.keep_after_out_of_memory)
 
@@ -807,6 +851,8 @@ class Run:
             fail(error)
         if self.main_process:
             purge = state["iteration"] + 1 if state["iteration"] else None
+            if args.track:
+                self.tracking = start_tracking(args, self.dir, resumed=bool(state["iteration"]))
             self.writer = SummaryWriter(self.dir, purge_step=purge)
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
@@ -944,7 +990,8 @@ class Run:
         return f"the {part} of iteration {self.state['iteration'] + 1}"
 
     def write_summary(self):
-        summary = summary_of_state(self.dir, self.state, self.stopped_by, self.device)
+        summary = summary_of_state(self.dir, self.state, self.stopped_by, self.device,
+                                   self.failed_judges)
         self.writer.close()
         return summary
 
@@ -962,6 +1009,8 @@ class Run:
             # the first line named the run directory, many progress lines ago
             print(f"run {self.dir}: summary.json, TensorBoard events and checkpoints", flush=True)
         exit_code = run_exit_code(self.stop_signal, self.stopped_by, state["iteration"], self.dir)
+        if self.tracking:  # before os._exit below, which skips wandb's own exit hook
+            self.tracking.finish(exit_code=exit_code)
         if self.world_size > 1:
             leave_process_group()
             os._exit(exit_code)  # skips the interpreter's teardown, where gloo's threads may abort

@@ -39,8 +39,8 @@ from checkpoint import RunError, read_adapters
 from common import (WORDS, check_devices, check_judge_models, fail, image_rewards,
                     one_line_on_out_of_memory, out_of_memory)
 from data import DataError, load_prompts
-from reward import (JUDGES, ScoringThread, ServerError, format_mix, judge_names, make_judge,
-                    make_judges, make_mix, parse_mix)
+from reward import (JUDGES, ScoringThread, ServerError, judge_names, make_guarded_judges,
+                    make_judge, make_mix, normalize_reward_specs, parse_mix)
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
                      sample)
@@ -158,20 +158,11 @@ def check_args(args):
         fail(f"--max-sequence-length {args.max_sequence_length}: must lie in [1, 512] (SD3's T5 encoder)")
     if not 0 <= args.seed < 2**62:
         fail(f"--seed {args.seed}: must lie in [0, 2^62)")
-    try:  # canonical: "qwen-vl", "qwen-vl=0.8 pickscore=0.2", as the trainers record them
-        args.reward = format_mix(parse_mix(args.reward))
+    try:  # canonical, as the trainers record them
+        args.reward, args.judge = normalize_reward_specs(args.reward, args.judge, "--judge",
+                                                         args.reward_urls, args.aesthetic_head)
     except ValueError as error:
-        fail(f"--reward: {error}")
-    try:
-        args.judge = " ".join(judge_names(args.judge)) or "none"
-    except ValueError as error:
-        fail(f"--judge: {error}")
-    scorers = set(parse_mix(args.reward)) | set(judge_names(args.judge))
-    if "vllm" in scorers and not args.reward_urls:
-        fail("--reward-urls: the vllm reward or judge needs at least one server URL")
-    if "aesthetic" in scorers and not args.aesthetic_head:
-        fail("--aesthetic-head: the aesthetic reward or judge needs the LAION head's file "
-             "(sac+logos+ava1-l14-linearMSE.pth)")
+        fail(error)
     check_devices(args, "evaluate.py runs")
 
 
@@ -310,7 +301,8 @@ def read_results(path, settings, prompts):
         except ValueError:
             value = None
         if isinstance(value, dict):
-            wrong = [json.dumps(key) for key, kind in fields.items() if not isinstance(value.get(key), kind)]
+            wrong = [json.dumps(key) for key, kind in fields.items()
+                     if key not in value or not isinstance(value[key], kind)]
             problem = f"{', '.join(wrong)} missing or of another type" if wrong else None
         else:
             problem = "not a JSON object"
@@ -327,14 +319,18 @@ def read_results(path, settings, prompts):
         fail(f"{path} was written with other settings ({'; '.join(changed)}): pass another --output-dir or --name, "
              "or delete it")
     fields = {"index": int, "prompt": str, "target": str, "score": (int, float)}  # what the summary and grid read
-    for name in (settings["judge"] or "").split():
-        fields[f"{name}_score"] = (int, float)
+    judges = (settings["judge"] or "").split()
+    for name in judges:
+        fields[f"{name}_score"] = (int, float, type(None))  # null: the judge had failed
     if settings.get("reward", "qwen-vl") not in JUDGES:  # a mix
         fields["components"] = dict
     scored = {}
     for number, line in enumerate(lines[1:], 2):
         record = parse(number, line, fields, "a prompt's record")
         scored[record["index"]] = record
+    # a prompt that a failed judge did not score is scored again, the judge given another chance
+    scored = {index: record for index, record in scored.items()
+              if all(record[f"{name}_score"] is not None for name in judges)}
     for index, record in scored.items():
         if index < len(prompts) and record["prompt"] != prompts[index]:
             fail(f"{path}: prompt {index} is {record['prompt']!r}, but {prompts[index]!r} in --eval-data now")
@@ -412,6 +408,15 @@ if __name__ == "__main__":
     print(f"{out}: {len(prompts) - len(todo)} of {len(prompts)} prompts already scored", flush=True)
 
     threads = []  # the scorers' threads: they read a chunk while the next one samples
+    failed_judges = {}  # {judge: why}: its scores are null from its failure on
+
+    def report_failed_judges():
+        """One line for each judge that has failed, the first time (it scores NaN from then on)."""
+        for judge_name, judge in zip(judged, judges):
+            if judge.failure and judge_name not in failed_judges:
+                failed_judges[judge_name] = judge.failure
+                tqdm.write(f"evaluate.py: warning: {judge.failure}; the other scores go on (the "
+                           "same command scores its prompts again)", file=sys.stderr)
 
     def stop(signum, frame):
         for thread in threads:
@@ -471,8 +476,10 @@ if __name__ == "__main__":
                            aesthetic_model=args.aesthetic_model, aesthetic_head_path=args.aesthetic_head or None)
             make = make_mix if mix else make_judge
             scorer = ScoringThread(make(args.reward, **options))
-            judges = [ScoringThread(judge) for judge in make_judges(judged, **options)]
+            # a judge that fails to load, or later, is left out (GuardedJudge), not the others
+            judges = [ScoringThread(judge) for judge in make_guarded_judges(judged, **options)]
             threads += [scorer, *judges]
+            report_failed_judges()  # those that did not load
         except (OSError, RuntimeError, ValueError, KeyError) as error:
             if out_of_memory(error):
                 raise  # one_line_on_out_of_memory's line
@@ -498,6 +505,7 @@ if __name__ == "__main__":
         components, texts = scorer.take(count)
         scores = image_rewards(components, weights)  # a mix's weighted sum
         judge_results = {name: judge.take(count) for name, judge in zip(judged, judges)}
+        report_failed_judges()
         images = np.concatenate([part_images for _, part_images in taken])
         records = {}
         for j, i in enumerate(indices):
@@ -509,7 +517,8 @@ if __name__ == "__main__":
                 record["components"] = dict(zip(weights, map(float, components[j])))
             for judge_name, (judge_scores, judge_texts) in judge_results.items():
                 record[f"{judge_name}_transcription"] = judge_texts[j]
-                record[f"{judge_name}_score"] = float(judge_scores[j])
+                judge_score = float(judge_scores[j])
+                record[f"{judge_name}_score"] = None if judge_name in failed_judges else judge_score
             records[i] = record
         lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in records.values()]
         try:
@@ -556,12 +565,16 @@ if __name__ == "__main__":
         for component in weights:
             part_mean, part_stderr = mean_and_stderr([r["components"][component] for r in evaluated])
             summary["components"][component] = {"mean": part_mean, "stderr": part_stderr}
-    for judge_name in judged:
+    scored_judges = [judge_name for judge_name in judged if judge_name not in failed_judges]
+    for judge_name in scored_judges:
         judge_mean, judge_stderr = mean_and_stderr([r[f"{judge_name}_score"] for r in evaluated])
         summary.setdefault("judges", {})[judge_name] = {"mean": judge_mean, "stderr": judge_stderr}
         report += f", {judge_name} {judge_mean:.4f} ± {judge_stderr or 0:.4f}"
-    if judged:  # the first judge, as before a list of them
-        summary["judge"] = {"scorer": judged[0], **summary["judges"][judged[0]]}
+    if scored_judges:  # the first judge, as before a list of them
+        summary["judge"] = {"scorer": scored_judges[0], **summary["judges"][scored_judges[0]]}
+    if failed_judges:
+        summary["failed_judges"] = failed_judges
+        report += "; " + "; ".join(failed_judges.values())
     summary.update(this_run={"prompts": len(todo), "seconds": seconds}, settings=settings, prompts=evaluated)
     partial = out / ".results.json.tmp"
     try:
@@ -571,7 +584,7 @@ if __name__ == "__main__":
         cannot_write(out / "results.json", error)
     partial.replace(out / "results.json")
     grid = [r for r in evaluated[: args.grid_images] if (out / "images" / f"{r['index']:05d}.png").is_file()]
-    notes = [", ".join(f"{name} {r[f'{name}_score']:.2f}" for name in judged) for r in grid]
+    notes = [", ".join(f"{name} {r[f'{name}_score']:.2f}" for name in scored_judges) for r in grid]
     captions = [f"{r['score']:.2f}" + (f" ({note})" if note else "") + f" {r['target']}"
                 for r, note in zip(grid, notes)]
     if grid:

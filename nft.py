@@ -164,6 +164,12 @@ class Args:
     """latest checkpoints kept (0: keep all)"""
     resume_from: str = ""
     """continue a global_step_N checkpoint, or `latest` of --run-name (none yet: start it anew)"""
+    track: bool = False
+    """log the run to Weights & Biases too, TensorBoard's scalars synced (requirements-track.txt)"""
+    wandb_project_name: str = "crd"
+    """the Weights & Biases project of --track"""
+    wandb_entity: str = ""
+    """the Weights & Biases entity (team) of --track; empty: the account's default"""
 
     # Algorithm: DiffusionNFT (the authors' OCR configuration)
     nft_beta: float = 0.1

@@ -652,6 +652,48 @@ def make_judges(names, **options) -> list[Judge]:
     return [make_judge(name, **options) for name in judge_names(names)]
 
 
+def judge_failure(name: str, error: Exception) -> str:
+    """One line naming the judge and its error: a server's message as it is, else its type and
+    the first line of its message."""
+    lines = str(error).splitlines()
+    message = lines[0] if lines else ""
+    if not isinstance(error, ServerError):
+        message = f"{type(error).__name__}: {message}" if message else repr(error)
+    return f"the {name} judge failed: {message}"
+
+
+class GuardedJudge:
+    """A judge that does not raise. A judge is a second opinion: when it fails (its server died,
+    its model raises or runs out of memory), the trainers and evaluate.py go on without it
+    rather than lose the run. The first error is kept in `failure`, one line naming the judge
+    (judge_failure); from then on it scores NaN without calling its scorer again. judge None:
+    it failed to load, with `failure` saying why."""
+
+    def __init__(self, name: str, judge: Judge | None, failure: str | None = None):
+        self.name, self.judge, self.failure = name, judge, failure
+
+    def __call__(self, images, targets=None, prompts=None):
+        if self.failure is None:
+            try:
+                return self.judge(images, targets, prompts)
+            except Exception as error:  # any error: a second opinion must not end the program
+                self.failure = judge_failure(self.name, error)
+        return np.full(len(images), np.nan, dtype=np.float32), [""] * len(images)
+
+
+def make_guarded_judges(names, **options) -> list[GuardedJudge]:
+    """make_judges, each judge guarded (GuardedJudge): one that cannot be built (its server
+    down, its model folder broken) is returned as failed already. An unknown name or one listed
+    twice is still a ValueError before any model is loaded."""
+    judges = []
+    for name in judge_names(names):
+        try:
+            judges.append(GuardedJudge(name, make_judge(name, **options)))
+        except Exception as error:  # as GuardedJudge: the other judges and the run go on
+            judges.append(GuardedJudge(name, None, judge_failure(name, error)))
+    return judges
+
+
 # ---- a weighted mix of rewards -----------------------------------------------------------------
 
 
@@ -682,6 +724,31 @@ def parse_mix(spec) -> dict[str, float]:
                              f"other than 0, as in {name}=0.5")
         weights[name] = weight
     return weights
+
+
+def normalize_reward_specs(reward, judges, judge_flag: str, urls, aesthetic_head,
+                           judged: bool = True) -> tuple[str, str]:
+    """The canonical (reward, judges) specs of the trainers' --reward and --eval-judge, or
+    evaluate.py's --reward and --judge (judge_flag names it), as checkpoints, run names and
+    results record them: ("qwen-vl=0.8 pickscore=0.2", "paddle flat"; "none": no judge). A
+    ValueError in one line names the flag: a bad spec, or a vllm or aesthetic reward or judge
+    without its --reward-urls or --aesthetic-head. judged: whether the judges are scored (a
+    trainer that never validates loads none)."""
+    try:
+        reward = format_mix(parse_mix(reward))
+    except ValueError as error:
+        raise ValueError(f"--reward: {error}") from None
+    try:
+        names = judge_names(judges)
+    except ValueError as error:
+        raise ValueError(f"{judge_flag}: {error}") from None
+    scorers = set(parse_mix(reward)) | set(names if judged else [])
+    if "vllm" in scorers and not urls:
+        raise ValueError("--reward-urls: the vllm reward or judge needs at least one server URL")
+    if "aesthetic" in scorers and not aesthetic_head:
+        raise ValueError("--aesthetic-head: the aesthetic reward or judge needs the LAION head's "
+                         "file (sac+logos+ava1-l14-linearMSE.pth)")
+    return reward, " ".join(names) or "none"
 
 
 def format_mix(weights: dict[str, float]) -> str:

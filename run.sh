@@ -16,6 +16,8 @@
 # needed with NNODES > 1, made up once per launch with MAX_RESTARTS on one node), REWARD_URLS (vLLM
 # servers elsewhere, comma-separated: none is started here; else every node starts its own).
 # SIGTERM or Ctrl-C stops the run at the end of its iteration with a checkpoint; the exit status is then 143 / 130.
+# The vLLM reward server is started (where vllm is installed) only for a run that reads it: no
+# --reward (run.sh's own, the served Qwen-VL), or a --reward or --eval-judge that names vllm.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -146,13 +148,43 @@ if (( NUM_GPUS_REWARD > 0 && NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
   # the text encoders (10 GiB) beside the reward model: the recipe's actor then peaks under 40 GiB
   reward_args=(--text-encoder-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
+# the words of the trainer flag $1 among the extra args, the last given winning (tyro's rule);
+# status 1 if it is not given
+given() {
+  local flag=$1 value="" found=false taking=false arg
+  shift
+  for arg in "$@"; do
+    if [[ $arg == "$flag="* ]]; then
+      value=${arg#*=}; found=true; taking=false
+    elif [[ $arg == "$flag" ]]; then
+      value=""; found=true; taking=true
+    elif [[ $arg == --* ]]; then
+      taking=false
+    elif $taking; then
+      value+=" $arg"
+    fi
+  done
+  $found && echo "$value"
+}
+# whether the run reads the vLLM-served reward: run.sh's own reward (no --reward given), or a
+# --reward or --eval-judge that names vllm (--reward pickscore=1 or qwen-vl alone: no server)
+reads_served_reward() {
+  local reward judges item items
+  reward=$(given --reward "$@") || reward=vllm
+  judges=$(given --eval-judge "$@") || judges=""
+  read -ra items <<<"${reward//,/ } ${judges//,/ }"
+  for item in "${items[@]}"; do
+    [[ ${item%%=*} != vllm ]] || return 0
+  done
+  return 1
+}
 serve_reward=false
 if [[ -n $REWARD_URLS ]]; then
   read -ra urls <<<"${REWARD_URLS//,/ }"
   reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "${urls[@]}")
 elif (( NUM_GPUS_REWARD == 0 )); then
   reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL")          # scored on each actor's own GPU
-elif "$PYTHON" -c "import vllm" 2>/dev/null; then
+elif reads_served_reward "$@" && "$PYTHON" -c "import vllm" 2>/dev/null; then
   serve_reward=true
   reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "http://127.0.0.1:$REWARD_PORT")
 else

@@ -64,9 +64,10 @@ def test_a_run_without_a_checkpoint_is_not_told_to_resume(tmp_path):
                                 "or choose another --run-name")
 
 
-def test_a_failed_start_leaves_no_run_directory(tmp_path):
+def start_with_too_few_prompts(tmp_path):
+    """crd.py into --output-dir tmp_path/runs, --run-name run, with a train file of 1 prompt for 4
+    per rank: it must fail in one line before it trains."""
     (tmp_path / "few.txt").write_text('A sign that reads "Open"\n')
-    run_dir = tmp_path / "runs" / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "crd.py"), "--train-data", str(tmp_path / "few.txt"),
          "--eval-data", str(ROOT / "tests/data/ocr/test.txt"), "--prompts-per-rank", "4",
@@ -74,14 +75,14 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     assert re.search(r"--train-data .*few\.txt: 1 prompt\(s\), fewer than", result.stderr)
+
+
+def test_a_failed_start_leaves_no_run_directory(tmp_path):
+    run_dir = tmp_path / "runs" / "run"
+    start_with_too_few_prompts(tmp_path)
     assert not run_dir.exists()
     # a directory that was there before the start is left, lock and all
     run_dir.mkdir(parents=True)
     (run_dir / "notes.txt").write_text("mine")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "crd.py"), "--train-data", str(tmp_path / "few.txt"),
-         "--eval-data", str(ROOT / "tests/data/ocr/test.txt"), "--prompts-per-rank", "4",
-         "--output-dir", str(tmp_path / "runs"), "--run-name", "run", "--device", "cpu"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stderr
+    start_with_too_few_prompts(tmp_path)
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt", "run.lock"]

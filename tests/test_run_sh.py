@@ -59,6 +59,11 @@ def free_port():
         return s.getsockname()[1]
 
 
+def port_open(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def fake_tools(tmp_path, gpus=2, vllm_mode="serve"):
     """A bin/ with nvidia-smi (listing `gpus` GPUs), vllm and a python3 without torch, an importable `vllm` package,
     and PYTHON set to this interpreter."""
@@ -258,6 +263,33 @@ def launched(env, **overrides):
     result = run_sh({**env, "PYTHON": "echo", **overrides}, "crd", timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("extra, served", [
+    (["--reward", "pickscore=1"], False),
+    (["--reward", "qwen-vl=0.8", "pickscore=0.2", "--eval-judge", "paddle", "pickscore"], False),
+    (["--reward=brightness", "--eval-judge", "flat,vllm"], True),  # a judge reads the server
+])
+def test_the_reward_server_starts_only_for_a_run_that_reads_it(tmp_path, extra, served):
+    """A --reward (mix) or --eval-judge list that names no vllm starts no server, and its rewards
+    run on the reward GPU; one that names vllm, in either flag and either form, starts it. PYTHON
+    is a stand-in that prints its arguments (and imports vllm)."""
+    port = free_port()
+    env = {**fake_tools(tmp_path), "PYTHON": "echo", "REWARD_PORT": str(port),
+           "OUTPUT_DIR": str(tmp_path / "runs")}
+    result = run_sh(env, "crd", *extra, timeout=60)
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.splitlines()[-1]
+    assert command.endswith(" ".join(extra))
+    assert ("vllm serve Qwen/Qwen2.5-VL-3B-Instruct" in result.stdout) == served
+    assert (tmp_path / "runs" / "reward_server.log").exists() == served
+    layout = (f"--reward vllm --reward-model Qwen/Qwen2.5-VL-3B-Instruct --reward-urls "
+              f"http://127.0.0.1:{port}" if served else "--reward-device cuda:1")
+    assert layout in command
+    deadline = time.time() + 10  # the watcher takes the server down once the launcher exited
+    while served and port_open(port):
+        assert time.time() < deadline, "the reward server outlived the run"
+        time.sleep(0.1)
 
 
 def test_several_nodes_and_restarts_launch_through_torchrun(tmp_path):
