@@ -93,6 +93,7 @@ def test_readme_demo_then_evaluate_compare_and_lora_snippet_work_as_written(
     assert last == f"run {run_dir}: summary.json, TensorBoard events and checkpoints"
     summary = json.loads((work / run_dir / "summary.json").read_text())
     assert summary["completed"] and (work / checkpoint / "policy_lora").is_dir()
+    assert list((work / run_dir).glob("events.out.tfevents.*"))  # the TensorBoard logs README promises
 
     scored = run(evaluate, work, env, timeout=200)
     (results,) = (work / "evals").glob("*/results.json")
