@@ -7,7 +7,7 @@ with the model's block kinds (one dual-attention block, one plain, the last; ran
 trainer's LoRA adapters, compiles as the trainer does, makes the first iteration's first call of that pass and exits.
 The graphs are the trainer's, for a graph takes the weights as inputs and holds only the code, shapes and dtypes;
 torch.compile's on-disk caches (inductor's and AOTAutograd's, shared by the user's processes) then hold them, and the
-trainer's own compile finds them there as on a warm start. The time this saves is in README, "The recipe".
+trainer's own compile finds them there as on a warm start. The time this saves is in docs/performance.md.
 
     precompile = Precompile(passes, model, device, torch.bfloat16, lora=(32, 64), resolution=512, text_tokens=333)
     ...                                 # load the models

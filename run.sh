@@ -9,7 +9,7 @@
 # OUTPUT_DIR (runs/crd, runs/dgpo or runs/nft), TRAIN_DATA, EVAL_DATA, MODEL,
 # REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's),
 # STOP_TIMEOUT (600: seconds several actor ranks get to finish the iteration and save after SIGTERM/Ctrl-C).
-# Several nodes and restarts (README, "Multi-node and Slurm"): NNODES (1), NODE_RANK (0; node 0
+# Several nodes and restarts (docs/multi-node.md): NNODES (1), NODE_RANK (0; node 0
 # hosts the rendezvous), MASTER_ADDR (node 0's address) and MASTER_PORT (29500) or RDZV_ENDPOINT
 # (host:port), RDZV_ID (RUN_NAME), MAX_RESTARTS (0: how often torchrun restarts all ranks after one
 # fails), RUN_NAME (the run OUTPUT_DIR/RUN_NAME, started or continued by --resume-from latest;

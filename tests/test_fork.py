@@ -1,5 +1,5 @@
-"""README's "Fork it" example, applied as a researcher would: copy crd.py, replace the end of
-crd_loss with the README's lines, and train one iteration of the fork on the tiny model."""
+"""The worked example of docs/fork.md, applied as a researcher would: copy crd.py, replace the end
+of crd_loss with the example's lines, and train one iteration of the fork on the tiny model."""
 
 import json
 import os
@@ -16,17 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "ocr"
 
 
-def forked_crd(readme, crd):
-    """crd.py with the README's replacement for the body of crd_loss from its group views on."""
-    section = readme[readme.index("## Fork it"):]
+def forked_crd(page, crd):
+    """crd.py with docs/fork.md's replacement for the body of crd_loss from its group views on."""
+    section = page[page.index("## A worked example"):]
     example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     start = crd.index('    groups_r = rearrange(implicit_reward, "(g i) -> g i", i=group_size)\n')
     end = crd.index("\n", crd.index("    return policy_loss + kl_loss", start)) + 1
     return crd[:start] + example + crd[end:]
 
 
-def test_the_readme_fork_example_trains(tiny_model_dir, tmp_path):
-    fork = forked_crd((ROOT / "README.md").read_text(), (ROOT / "crd.py").read_text())
+def test_the_docs_fork_example_trains(tiny_model_dir, tmp_path):
+    fork = forked_crd((ROOT / "docs" / "fork.md").read_text(), (ROOT / "crd.py").read_text())
     assert fork != (ROOT / "crd.py").read_text() and "# no centering" in fork
     script = tmp_path / "myalgo.py"
     script.write_text(fork)

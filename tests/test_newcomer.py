@@ -1,5 +1,6 @@
 """The newcomer's path as README.md writes it: the CPU demo, the evaluate command and run.sh compare
-right after it, and the snippet that loads the demo's LoRA in diffusers.
+right after it, and the snippet that loads the demo's LoRA in diffusers (docs/outputs.md, which
+README links to).
 
 The commands are read out of README.md and run as subprocesses, word for word but for `python`,
 which becomes this interpreter, in a working copy of the repository: a folder of links to its
@@ -19,6 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+OUTPUTS = (ROOT / "docs" / "outputs.md").read_text()
 
 # the LoRA snippet as README writes it, then a check that the trained weights were taken in
 LORA_CHECK = """
@@ -32,9 +34,9 @@ assert totals[-1] > 0  # trained: a fresh LoRA's B is zero, but not after 6 iter
 """
 
 
-def readme_blocks(language):
-    """The fenced code blocks of README.md in `language`, in order."""
-    return re.findall(rf"^```{language}\n(.*?)^```", README, re.S | re.M)
+def readme_blocks(language, text=README):
+    """The fenced code blocks of README.md (or of `text`) in `language`, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
 
 
 def readme_command(start):
@@ -78,19 +80,20 @@ def test_readme_demo_then_evaluate_compare_and_lora_snippet_work_as_written(
     demo = readme_command("python crd.py --model tiny")
     evaluate = readme_command("python evaluate.py --checkpoint runs/demo/")
     compare = readme_command("bash run.sh compare runs/demo")
-    (snippet,) = [b for b in readme_blocks("python") if "load_lora_weights(\"runs/demo/" in b]
+    (snippet,) = [b for b in readme_blocks("python", OUTPUTS) if "load_lora_weights(\"runs/demo/" in b]
     run_dir = Path(flag(demo, "--output-dir") if "--output-dir" in demo else "runs")
     run_dir = run_dir / flag(demo, "--run-name")
     checkpoint = Path(flag(evaluate, "--checkpoint"))
     assert checkpoint.parent == run_dir  # the evaluate command scores the demo's run
     work = working_copy(tmp_path)
-    # the tiny model this session built (its parent is a CRD_CACHE); PYTHON: run.sh's interpreter
+    # the tiny model the test session's fixture built (its parent is a CRD_CACHE); PYTHON: run.sh's interpreter
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHON": sys.executable}
     trained = run(demo, work, env, timeout=400)
     last = trained.stdout.strip().splitlines()[-1]  # the run directory, named again at the end
     assert last == f"run {run_dir}: summary.json, TensorBoard events and checkpoints"
     summary = json.loads((work / run_dir / "summary.json").read_text())
     assert summary["completed"] and (work / checkpoint / "policy_lora").is_dir()
+    assert list((work / run_dir).glob("events.out.tfevents.*"))  # the TensorBoard logs README promises
 
     scored = run(evaluate, work, env, timeout=200)
     (results,) = (work / "evals").glob("*/results.json")
