@@ -649,7 +649,7 @@ class Validation:
         self.targets = [r["target"] for r in eval_set]
         self.weights = parse_mix(args.reward)
         self.judges = []  # ScoringThreads of reward.GuardedJudges
-        self.listed_judges = []  # as listed, those that failed too: the first is the summary's judge
+        self.listed_judges = []  # as listed, failed ones too: the first is the summary's judge
         if run.main_process and args.eval_every:
             names = [name for name in judge_names(args.eval_judge) if name not in self.weights]
             judges = make_guarded_judges(names, **scorer_options(args, run.device))

@@ -1,6 +1,6 @@
-"""Choose each algorithm's settings from a sweep on the validation words, by a rule fixed in advance.
+"""Choose each algorithm's settings from a sweep on the validation words, by a fixed rule.
 
-    python benchmark/ocr_proxy/choose.py runs/sweep/benchmark.json          # prints --variants arguments
+    python benchmark/ocr_proxy/choose.py --report runs/sweep/benchmark.json  # prints --variants
 
 The sweep is a run_benchmark.py call with `--eval-split validation` and variants per algorithm
 (`ALGO:NAME=ARGS`, and the unrestricted ones every algorithm runs). For each algorithm the rule
@@ -39,9 +39,11 @@ def choose(report: dict, name: str = "tuned") -> tuple[dict[str, str], dict]:
     """({algorithm: its chosen ALGO:NAME=ARGS}, the table behind it) of a sweep's benchmark.json."""
     sweep = Args(**{k: v for k, v in report["args"].items() if k != "pretrain"})
     arguments, jobs = plan(sweep)
-    evals = {run_name(*job): dict(map(tuple, report["runs"][run_name(*job)]["eval"])) for job in jobs}
-    if any(not curve for curve in evals.values()):
-        sys.exit(f"choose.py: error: {', '.join(n for n, c in evals.items() if not c)}: no validation")
+    evals = {run_name(*job): dict(map(tuple, report["runs"][run_name(*job)]["eval"]))
+             for job in jobs}
+    unvalidated = [run for run, curve in evals.items() if not curve]
+    if unvalidated:
+        sys.exit(f"choose.py: error: {', '.join(unvalidated)}: no validation")
     last = min(max(curve) for curve in evals.values())
     kept = sorted(i for i in set.intersection(*(set(c) for c in evals.values())) if i >= last / 2)
     table = {"iterations": kept, "rule": "mean over seeds and these validations", "variants": {}}
