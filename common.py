@@ -53,7 +53,7 @@ from rollout import (CompileCache, available_host_memory, captioned_grid, check_
 # ---- argument checks -------------------------------------------------------------------------
 
 # A flag of several words kept as one string, as --reward qwen-vl=0.8 pickscore=0.2 and
-# --eval-judge paddle flat take them (the trainers hold a copy: they import few names)
+# --eval-judge paddle flat take them (the trainers' Args annotate those two fields with it)
 WORDS = tyro.constructors.PrimitiveConstructorSpec(
     nargs="*", metavar="NAME[=WEIGHT] ...", instance_from_str=" ".join,
     is_instance=lambda value: isinstance(value, str), str_from_instance=str.split)

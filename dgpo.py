@@ -24,18 +24,12 @@ import torch
 import tyro
 from einops import rearrange
 
-from common import (Compiler, GuardedStep, RolloutEngine, Run, TrainingRows, Validation,
+from common import (WORDS, Compiler, GuardedStep, RolloutEngine, Run, TrainingRows, Validation,
                     check_numbers, check_shared_args, fail, image_seed,
                     loading_errors_as_one_line, training_scorer)
 from data import GroupSampler
 from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
                      negative_embeddings, use_adapter)
-
-# --reward and --eval-judge take several words (--reward qwen-vl=0.8 pickscore=0.2) as one string:
-# common.WORDS, copied here as the trainers import few names
-WORDS = tyro.constructors.PrimitiveConstructorSpec(
-    nargs="*", metavar="NAME[=WEIGHT] ...", instance_from_str=" ".join,
-    is_instance=lambda value: isinstance(value, str), str_from_instance=str.split)
 
 
 @dataclass
