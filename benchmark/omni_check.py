@@ -42,7 +42,8 @@ import omni_rollout  # noqa: E402
 import rollout  # noqa: E402
 
 PHASES = ("smoke", "weights", "zero", "lora", "speed", "train")
-ESTIMATE_S = {"smoke": 180, "weights": 300, "zero": 420, "lora": 90, "speed": 180, "train": 600}
+# the least time left in which each phase is started: a ten-minute call can run train alone
+ESTIMATE_S = {"smoke": 120, "weights": 120, "zero": 240, "lora": 60, "speed": 120, "train": 300}
 PROMPTS = ['a neon sign that says "open late"', 'a poster with "CRD 2026" on it',
            'a storefront whose sign reads "BAKERY"', 'a chalkboard with "hello world" on it']
 SEED = 42  # the trainers' default --seed: image j of iteration 0 has seed image_seed(42, 0, j)
