@@ -18,7 +18,7 @@ no longer fits in --time-budget-s is skipped, as is one whose input an earlier p
              warm runs, and peak device memory (every process: the engine runs in its own)
     train    --train-iterations of crd.py with each engine (reward brightness, no validation), in
              subprocesses: perf/rollout_s and train/reward_mean per iteration
-Both engines run eager unless --compile (diffusers compiles its blocks, the engine CUDA graphs).
+Both engines run eager unless --compile (diffusers compiles its blocks, vLLM-Omni its transformer).
 """
 
 import argparse
@@ -374,7 +374,7 @@ def main():
     parser.add_argument("--lora-b-std", type=float, default=0.01, help="the lora phase's random B")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs each, after a warm-up")
     parser.add_argument("--compile", action="store_true",
-                        help="compiled diffusers blocks, the engine with CUDA graphs")
+                        help="compiled diffusers blocks, vLLM-Omni's transformer compiled")
     parser.add_argument("--train-iterations", type=int, default=3)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
