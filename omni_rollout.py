@@ -103,8 +103,14 @@ class OmniRollout:
         weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
         self.adapter_ids = itertools.count(1)  # vLLM's LoRA ids start at 1; one more per rollout
         self.last_adapter: tuple[str, int] | None = None  # (name, id) last sent
-        self.omni = Omni(model=path, dtype=str(dtype).removeprefix("torch."),
-                         custom_pipeline_args={"pipeline_class": PIPELINE_CLASS}, **engine_kwargs)
+        try:
+            self.omni = Omni(model=path, dtype=str(dtype).removeprefix("torch."),
+                             custom_pipeline_args={"pipeline_class": PIPELINE_CLASS},
+                             **engine_kwargs)
+        except (torch.OutOfMemoryError, MemoryError):  # the trainer's line for a failed allocation
+            raise
+        except Exception as error:  # one line, not the engine's traceback
+            raise RuntimeError(start_error(error)) from None
         self.check_adapter(pipe)
 
     # ---- the trainer's side -------------------------------------------------------------------
@@ -242,6 +248,17 @@ class OmniRollout:
         if close is not None:
             close()
         shutil.rmtree(self.adapter_dir, ignore_errors=True)
+
+
+def start_error(error: Exception) -> str:
+    """The line for an engine that did not start; where vLLM lacks its flash-attention kernels
+    (vLLM-Omni's default attention calls them), how to run it with PyTorch's attention instead."""
+    reason = " ".join(str(error).split())[:300] or type(error).__name__
+    hint = ""
+    if "_vllm_fa2_C" in reason or "_vllm_fa3_C" in reason:
+        hint = (": this vLLM lacks its flash-attention kernels; DIFFUSION_ATTENTION_BACKEND="
+                "TORCH_SDPA runs the engine with PyTorch's attention, as diffusers does")
+    return f"{FLAG}: the engine did not start ({reason}){hint}"
 
 
 def _fast_tmp() -> str | None:

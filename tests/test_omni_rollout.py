@@ -578,6 +578,39 @@ def test_an_adapter_the_engine_refuses_is_one_line(stand_in, on_cpu, lora_pipe, 
     assert says in one_line(error)
 
 
+def test_an_engine_that_does_not_start_is_one_line_with_the_attention_hint(
+        stand_in, on_cpu, lora_pipe, tiny_model_dir, monkeypatch):
+    import vllm_omni
+
+    def fail(self, *args, **kwargs):  # vLLM-Omni 0.26's start on a vLLM without its FA2 kernel
+        raise RuntimeError("Orchestrator initialization failed: Dummy run failed:\n"
+                           "'_OpNamespace' '_vllm_fa2_C' object has no attribute 'varlen_fwd'")
+
+    monkeypatch.setattr(vllm_omni.Omni, "__init__", fail)
+    with pytest.raises(RuntimeError) as error:
+        omni_rollout.OmniRollout(lora_pipe, str(tiny_model_dir), "cpu", dtype=torch.float32)
+    message = one_line(error)
+    assert "the engine did not start (Orchestrator initialization failed: Dummy run" in message
+    assert message.endswith("DIFFUSION_ATTENTION_BACKEND=TORCH_SDPA runs the engine with "
+                            "PyTorch's attention, as diffusers does")
+
+    def other(self, *args, **kwargs):
+        raise ValueError("the diffusion stage's worker exited")
+
+    monkeypatch.setattr(vllm_omni.Omni, "__init__", other)
+    with pytest.raises(RuntimeError) as error:
+        omni_rollout.OmniRollout(lora_pipe, str(tiny_model_dir), "cpu", dtype=torch.float32)
+    assert one_line(error) == ("--rollout-engine vllm-omni: the engine did not start (the "
+                               "diffusion stage's worker exited)")
+
+    def out_of_memory(self, *args, **kwargs):  # the trainer's own line names the phase and flags
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(vllm_omni.Omni, "__init__", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        omni_rollout.OmniRollout(lora_pipe, str(tiny_model_dir), "cpu", dtype=torch.float32)
+
+
 def test_importing_the_engine_module_imports_no_model_library():
     libraries = "{'vllm', 'vllm_omni', 'diffusers', 'peft'}"
     modules = "{m.split('.')[0] for m in sys.modules}"
