@@ -321,6 +321,10 @@ def _make_pipeline_class():
     from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 
+    # a compiled engine compiles each block: SD3.5-M's kinds and batch sizes outgrow dynamo's
+    # default of 8 graphs per code object, past which blocks run eager (as rollout.compile_blocks)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
     class EulerRolloutPipeline(StableDiffusion3Pipeline):
         supports_request_batch = True
 

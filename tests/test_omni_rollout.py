@@ -513,6 +513,12 @@ def test_the_pipeline_refuses_sigmas_that_are_not_the_unshifted_grid(tiny_pipe):
         omni_rollout.run_request(None, tiny_pipe.scheduler, "cpu", torch.float32, {}, params)
 
 
+def test_the_engines_pipeline_class_lets_dynamo_compile_every_block(stand_in, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # torch's default
+    assert omni_rollout.EulerRolloutPipeline.supports_request_batch  # made as the worker makes it
+    assert torch._dynamo.config.recompile_limit == 64
+
+
 # ---- one-line refusals ---------------------------------------------------------------------------
 
 
