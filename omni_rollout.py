@@ -235,7 +235,7 @@ class OmniRollout:
         try:
             with_lora = self._generate(*probe(lora_request=lora))
         except Exception as error:  # one line, not the engine's traceback
-            reason = " ".join(str(error).split())[:300] or type(error).__name__
+            reason = rollout.error_line(error)
             raise RuntimeError(f"{FLAG}: the adapter bound no module ({reason})") from None
         self._drop_adapters_before(lora)
         if torch.equal(base, with_lora):
@@ -253,12 +253,11 @@ class OmniRollout:
 def start_error(error: Exception) -> str:
     """The line for an engine that did not start; where vLLM lacks its flash-attention kernels
     (vLLM-Omni's default attention calls them), how to run it with PyTorch's attention instead."""
-    reason = " ".join(str(error).split())[:300] or type(error).__name__
     hint = ""
-    if "_vllm_fa2_C" in reason or "_vllm_fa3_C" in reason:
+    if "_vllm_fa2_C" in str(error) or "_vllm_fa3_C" in str(error):
         hint = (": this vLLM lacks its flash-attention kernels; DIFFUSION_ATTENTION_BACKEND="
                 "TORCH_SDPA runs the engine with PyTorch's attention, as diffusers does")
-    return f"{FLAG}: the engine did not start ({reason}){hint}"
+    return f"{FLAG}: the engine did not start ({rollout.error_line(error)}){hint}"
 
 
 def _fast_tmp() -> str | None:
@@ -321,9 +320,7 @@ def _make_pipeline_class():
     from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 
-    # a compiled engine compiles each block: SD3.5-M's kinds and batch sizes outgrow dynamo's
-    # default of 8 graphs per code object, past which blocks run eager (as rollout.compile_blocks)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    rollout.allow_block_graphs()  # a compiled engine compiles its blocks too, in this process
 
     class EulerRolloutPipeline(StableDiffusion3Pipeline):
         supports_request_batch = True

@@ -178,6 +178,11 @@ def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
     return path
 
 
+def error_line(error: BaseException) -> str:
+    """An exception's message as one line of at most 300 characters (its type's name if empty)."""
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
 def check_model_path(model: str, flag: str = "--model", marker: str = "model_index.json",
                      kind: str = "a diffusers pipeline") -> None:
     """A RuntimeError naming `flag` and `model` when it is meant as a local directory and is not one holding `kind`
@@ -312,7 +317,7 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
         try:
             pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError, KeyError, SafetensorError) as e:  # KeyError: a model_index.json lacking a part
-            reason = " ".join(str(e).split())[:300].rstrip(".") or type(e).__name__  # diffusers' name the file
+            reason = error_line(e).rstrip(".")  # diffusers' name the file
             if isinstance(e, SafetensorError):  # safetensors' does not
                 reason = next((f"{f}: {reason}" for f in sorted(Path(path).rglob("*.safetensors"))
                                if safetensors_error(f)), reason)
@@ -554,6 +559,12 @@ def export_lora(transformer, name: str, out_dir: str | Path,
     )
 
 
+def allow_block_graphs() -> None:
+    """Let dynamo keep 64 graphs per code object: the blocks share their code, and their kinds,
+    adapter settings, grad modes and batch sizes outgrow its default of 8, past which they run eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch") -> None:
     """Regional torch.compile: each transformer block is compiled, the embeddings and output layer stay eager.
 
@@ -566,7 +577,7 @@ def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch
     for benchmark/compile_speed.py's comparisons. The compiling is paid in the first validation and iteration, unless
     a CompileCache holds it or precompile.py's workers compiled it.
     """
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    allow_block_graphs()
     for block in transformer.transformer_blocks:
         block.compile(dynamic=None if dynamic == "batch" else dynamic)
     for layer in (transformer.pos_embed, transformer.context_embedder):  # they make the first block's inputs
