@@ -163,6 +163,38 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
         f"grid_{name}_{label}" for name in runs for label in ("first", "last"))
 
 
+def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_path):
+    """--resume: a benchmark that ended after 1 of its iterations (as --time-limit-s ends one) goes on from each run's
+    checkpoint to the curves and adapters of a benchmark that ran straight through."""
+    from benchmark.ocr_proxy import run_benchmark
+
+    def bench(out, iterations, resume=False):
+        args = run_benchmark.Args(out=str(tmp_path / out), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
+                                  iterations=iterations, eval_every=1, eval_prompts=2, eval_split="validation",
+                                  ocr_workers=1, prompts_per_rank=2, group_size=2, train_batch_size=2,
+                                  algorithms=["crd"], final_scores=False, resume=resume,
+                                  trainer_args="--num-steps 3 --num-train-timesteps 1")
+        return run_benchmark.main(args)
+
+    straight = bench("straight", 2)
+    bench("stopped", 1)
+    resumed = bench("stopped", 2, resume=True)
+    assert resumed["return_codes"] == {"crd_seed3": 0} and resumed["failed"] == []
+    for tag in ("train/reward_mean", *run_benchmark.HELD_OUT_TAGS):
+        curves = [run_benchmark.scalars(tmp_path / out / "runs" / "crd_seed3", tag) for out in ("straight", "stopped")]
+        assert curves[0] == curves[1]
+    assert [step for step, _ in resumed["runs"]["crd_seed3"]["eval"]] == [0, 1, 2]
+    adapters = [load_file(tmp_path / out / "runs" / "crd_seed3" / "global_step_2" / "adapters.safetensors")
+                for out in ("straight", "stopped")]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    # the adapters moved: equal zeros would prove nothing
+    assert any(v.count_nonzero() for k, v in adapters[1].items() if "lora_B" in k)
+    log = (tmp_path / "stopped" / "runs" / "crd_seed3.log").read_text()
+    assert log.index('"iterations": 1') < log.index("--resume-from latest:")  # appended: the first run's lines stay
+    assert straight["runs"]["crd_seed3"]["eval"] == resumed["runs"]["crd_seed3"]["eval"]
+
+
 def test_a_variant_written_algo_name_runs_only_that_algorithm():
     """A sweep gives each algorithm its own variants at the same budget: ALGO:NAME=ARGS runs ALGO alone."""
     from benchmark.ocr_proxy import run_benchmark

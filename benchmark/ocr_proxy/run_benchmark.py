@@ -11,10 +11,10 @@ with the PP-OCR reward at a matched budget, then learning curves, `run.sh compar
 
 The runs are dealt round-robin over the GPUs (one GPU: all share it; none: the CPU, slowly). `--variants` sweeps trainer
 settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL anchor teaches alone),
-`--final-guidances` scores the final checkpoints at more CFG scales. The reward is PP-OCR: by default the
-driver serves reward.PaddleScorer's reads from a pool of single-threaded engines to the trainers' `--reward vllm`
-client (the same scores, in parallel; the in-process `--reward paddle` reads one image at a time, ~0.4-1.3 s each);
-`--scorer paddle` uses that instead.
+`--final-guidances` scores the final checkpoints at more CFG scales, `--resume` continues runs that `--time-limit-s`
+stopped. The reward is PP-OCR: by default the driver serves reward.PaddleScorer's reads from a pool of
+single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the in-process
+`--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead.
 Every algorithm gets the same prompts, seeds, iterations, images per iteration and optimizer steps: only the
 trainer script differs. All anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
 anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy, and CRD's
@@ -111,6 +111,9 @@ class Args:
     time_limit_s: float = 0.0
     """if > 0: the whole benchmark's wall-time budget; runs still training then get SIGTERM (each finishes its
     iteration and writes its summary) and the iterations reached are reported"""
+    resume: bool = False
+    """continue the runs in --out: each trainer starts with --resume-from latest (its newest checkpoint, or a new run
+    where it has none; a finished run exits at once), so that a benchmark stopped by --time-limit-s goes on"""
     scorer: Literal["pool", "paddle"] = "pool"
     """pool: the trainers' `--reward vllm` client reads PP-OCR from a local server backed by a pool of engines (the
     same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
@@ -257,10 +260,12 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                # are the reward's. --trainer-args=--kl-cfg 4.5 restores the trainers' default
                "--kl-cfg", "1",
                *(CRD_SNAPSHOTS if algo == "crd" else ()),
+               *(["--resume-from", "latest"] if args.resume else []),
                *shlex.split(args.trainer_args), *shlex.split(variant_args)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu)}
     print("+ " + " ".join(command), flush=True)
-    with open(runs / f"{run_name(algo, variant, seed)}.log", "w") as log:  # the child keeps its own copy of the file
+    # the child keeps its own copy of the file; a resumed run's lines follow its first lines
+    with open(runs / f"{run_name(algo, variant, seed)}.log", "a" if args.resume else "w") as log:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
