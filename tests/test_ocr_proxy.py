@@ -193,6 +193,9 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
     log = (tmp_path / "stopped" / "runs" / "crd_seed3.log").read_text()
     assert log.index('"iterations": 1') < log.index("--resume-from latest:")  # appended: the first run's lines stay
     assert straight["runs"]["crd_seed3"]["eval"] == resumed["runs"]["crd_seed3"]["eval"]
+    # the grids of the resumed run's first and last validation, not those of the first part
+    assert sorted(p.name for p in (tmp_path / "stopped").glob("grid_*.png")) == [
+        "grid_crd_seed3_first_iteration0.png", "grid_crd_seed3_last_iteration2.png"]
 
 
 def test_a_variant_written_algo_name_runs_only_that_algorithm():

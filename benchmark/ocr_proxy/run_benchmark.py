@@ -311,13 +311,16 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def save_grids(run_dir: Path, out: Path, name: str) -> list[str]:
-    """The first and last validation grids of a run, as the trainer logged them (PNG)."""
+    """The first and last validation grids of a run, as the trainer logged them (PNG); a resumed benchmark's new last
+    grid replaces the one its earlier part wrote."""
     if not run_dir.is_dir():
         return []
     events = EventAccumulator(str(run_dir), size_guidance={"images": 0}).Reload()
     grids = events.Images("eval/images") if "eval/images" in events.Tags()["images"] else []
     written = []
     for label, event in (("first", grids[0]), ("last", grids[-1])) if grids else ():
+        for earlier in out.glob(f"grid_{name}_{label}_iteration*.png"):
+            earlier.unlink()
         path = out / f"grid_{name}_{label}_iteration{event.step}.png"
         path.write_bytes(event.encoded_image_string)
         written.append(path.name)
