@@ -2,6 +2,7 @@
 
 import json
 import re
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -196,6 +197,27 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
     # the grids of the resumed run's first and last validation, not those of the first part
     assert sorted(p.name for p in (tmp_path / "stopped").glob("grid_*.png")) == [
         "grid_crd_seed3_first_iteration0.png", "grid_crd_seed3_last_iteration2.png"]
+
+
+def test_a_resume_with_other_pretraining_settings_is_one_line_before_pretraining(tmp_path):
+    """The pretraining cache would build another base for the changed settings, and the resumed runs would go on
+    from it: --resume compares them with those of the benchmark's report first."""
+    from benchmark.ocr_proxy import run_benchmark
+
+    first = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), eval_prompts=2)
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "benchmark.json").write_text(json.dumps({"args": asdict(first)}))
+    changed = replace(first, resume=True, pretrain=replace(first.pretrain, steps=6, out=str(tmp_path / "other")))
+    with pytest.raises(SystemExit, match=re.escape(
+            f"run_benchmark.py: error: --resume: the runs in {tmp_path / 'bench'} were trained on a base of other "
+            f"--pretrain settings (--pretrain.steps); resume with those of {tmp_path / 'bench' / 'benchmark.json'}")):
+        run_benchmark.main(changed)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "other").exists()
+    run_benchmark.check_args(replace(changed, pretrain=replace(changed.pretrain, steps=first.pretrain.steps)))
+    (tmp_path / "bench" / "benchmark.json").write_text('{"args": {')  # cut short
+    with pytest.raises(SystemExit, match=re.escape(f"--resume: {tmp_path / 'bench' / 'benchmark.json'} is not this "
+                                                   "driver's report (JSONDecodeError: ")):
+        run_benchmark.main(changed)
 
 
 def test_a_variant_written_algo_name_runs_only_that_algorithm():

@@ -195,6 +195,17 @@ def check_args(args: Args) -> None:
                 trainer_args.train_batch_size = trainer_args.train_batch_size or trainer_args.group_size
                 trainer.check_args(trainer_args)
     pretrain.check_args(args.pretrain)
+    report = Path(args.out) / "benchmark.json"
+    if args.resume and report.is_file():  # else the runs would go on, silently, from another base model
+        try:
+            first = json.loads(report.read_text())["args"]["pretrain"]
+        except (ValueError, KeyError, TypeError) as error:
+            fail(f"--resume: {report} is not this driver's report ({type(error).__name__}: {error})")
+        now = json.loads(json.dumps(asdict(args.pretrain)))
+        changed = [k for k in now if k not in ("out", "device", "ocr_workers") and first.get(k) != now[k]]
+        if changed:
+            fail(f"--resume: the runs in {args.out} were trained on a base of other --pretrain settings ("
+                 f"{', '.join('--pretrain.' + k.replace('_', '-') for k in changed)}); resume with those of {report}")
 
 
 def gpu_count() -> int:
@@ -463,7 +474,9 @@ def main(args: Args) -> dict:
             text = (runs / f"{name}.log").read_text(errors="replace")
             lines = [line.strip(" │╭╰╮╯─") for line in text.splitlines() if any(c.isalnum() for c in line)] or [""]
             print(f"run_benchmark: {name} failed (exit {code}); {runs / name}.log ends: {lines[-1]}", flush=True)
-    (out / "benchmark.json").write_text(json.dumps(report, indent=1))
+    partial = out / ".benchmark.json.tmp"  # replaced at once: a kill never leaves half a report for --resume to read
+    partial.write_text(json.dumps(report, indent=1))
+    partial.replace(out / "benchmark.json")
     print(f"run_benchmark: phases {report['phases_s']}; outputs in {out}", flush=True)
     return report
 
