@@ -201,8 +201,8 @@ def check_args(args: Args) -> None:
             first = json.loads(report.read_text())["args"]["pretrain"]
         except (ValueError, KeyError, TypeError) as error:
             fail(f"--resume: {report} is not this driver's report ({type(error).__name__}: {error})")
-        now = json.loads(json.dumps(asdict(args.pretrain)))
-        changed = [k for k in now if k not in ("out", "device", "ocr_workers") and first.get(k) != now[k]]
+        now = json.loads(json.dumps(pretrain.config_key(args.pretrain)))  # as the report stored it
+        changed = [k for k in now if first.get(k) != now[k]]
         if changed:
             fail(f"--resume: the runs in {args.out} were trained on a base of other --pretrain settings ("
                  f"{', '.join('--pretrain.' + k.replace('_', '-') for k in changed)}); resume with those of {report}")
