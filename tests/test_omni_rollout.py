@@ -49,7 +49,9 @@ STAND_IN = {
                                    custom_pipeline_args=custom_pipeline_args, **kwargs)
                 od_config = OmniDiffusionConfig(model=model, dtype=getattr(torch, dtype))
                 module, _, name = custom_pipeline_args["pipeline_class"].rpartition(".")  # qualname
-                self.pipeline = getattr(importlib.import_module(module), name)(od_config=od_config)
+                # built on the CPU, then moved to the engine's device
+                pipeline = getattr(importlib.import_module(module), name)(od_config=od_config)
+                self.pipeline = pipeline.to(kwargs.get("device", "cpu"))
                 self.lora_manager = DiffusionLoRAManager(self.pipeline)
                 self.post_process = get_sd3_image_post_process_func(od_config)
                 self.ids, self.requests = itertools.count(), []
@@ -157,6 +159,9 @@ STAND_IN = {
             prompt: Any
             sampling_params: Any
             request_id: str
+
+            def is_dummy_run(self):
+                return self.request_id == "dummy_req_id"  # the engine's start-up warm-up
     ''',
     "vllm_omni/diffusion/worker/__init__.py": "",
     "vllm_omni/diffusion/worker/request_batch.py": '''
@@ -231,17 +236,28 @@ STAND_IN = {
 
             def __init__(self, *, od_config, prefix=""):
                 super().__init__()
-                from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+                import diffusers, transformers
                 self.od_config, self.device = od_config, torch.device("cpu")
-                model = od_config.model
-                self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+                model, dtype = od_config.model, od_config.dtype
+                self.scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(
                     model, subfolder="scheduler")
-                transformer = SD3Transformer2DModel.from_pretrained(
-                    model, subfolder="transformer", dtype=od_config.dtype)
+                self.tokenizer = transformers.CLIPTokenizer.from_pretrained(
+                    model, subfolder="tokenizer")
+                for name, cls in [("text_encoder", transformers.CLIPTextModelWithProjection),
+                                  ("text_encoder_2", transformers.CLIPTextModelWithProjection),
+                                  ("text_encoder_3", transformers.T5EncoderModel)]:
+                    setattr(self, name, cls.from_pretrained(model, subfolder=name, dtype=dtype))
+                transformer = diffusers.SD3Transformer2DModel.from_pretrained(
+                    model, subfolder="transformer", dtype=dtype)
                 self.transformer = transformer.eval().requires_grad_(False)
+                self.vae = diffusers.AutoencoderKL.from_pretrained(
+                    model, subfolder="vae", dtype=dtype)
 
-            def forward(self, req):
+            def forward(self, req):  # encodes each text prompt, as vLLM-Omni's does
                 STOCK_FORWARDS.extend(r.request_id for r in req.requests)
+                for prompt in req.prompts:
+                    tokens = self.tokenizer(prompt["prompt"], return_tensors="pt").input_ids
+                    self.text_encoder(tokens)
                 return [DiffusionOutput(output=torch.zeros(1, 3, 8, 8)) for _ in req.requests]
 
         def get_sd3_image_post_process_func(od_config):
@@ -482,7 +498,27 @@ def test_the_request_carries_unshifted_sigmas_latents_seeds_and_unique_embedding
     assert all(same_bits(tensors[f"base_model.model.{k}"], v) for k, v in state.items())
     from vllm_omni.diffusion.models.sd3.pipeline_sd3 import STOCK_FORWARDS
 
-    assert STOCK_FORWARDS[-1] == "dummy_req_id"  # the engine's warm-up ran the stock pipeline
+    assert STOCK_FORWARDS == []  # the warm-up too: the stock forward needs the text encoders
+
+
+def test_the_engine_holds_the_transformer_alone_and_refuses_a_text_prompt(engine, tiny_model_dir):
+    """vLLM-Omni's SD3 pipeline loads three text encoders and a VAE (11 of SD3.5-M's 16 GB) that
+    the trainer runs itself: the engine's pipeline drops them before it is moved to the GPU."""
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    config = OmniDiffusionConfig(model=str(tiny_model_dir), dtype=torch.float32)
+    stock, ours = StableDiffusion3Pipeline(od_config=config), engine.omni.pipeline
+    assert type(ours) is omni_rollout.EulerRolloutPipeline
+    for name in omni_rollout.UNUSED_MODULES:
+        assert getattr(stock, name) is not None and getattr(ours, name) is None, name
+    parameters = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    assert parameters(stock) > parameters(stock.transformer)
+    assert parameters(ours) == parameters(ours.transformer)
+    params = OmniDiffusionSamplingParams(height=H, width=W, num_inference_steps=2)
+    with pytest.raises(ValueError, match="rollout requests only"):
+        engine.omni.generate([{"prompt": "a cat"}], [params])
 
 
 def test_every_rollout_sends_the_adapter_under_a_new_id(engine, lora_pipe):
