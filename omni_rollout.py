@@ -2,10 +2,10 @@
 
 vLLM-Omni (0.26 and 0.30, through the API both share) runs SD3.5-M with its own transformer. A
 custom pipeline class (`custom_pipeline_args={"pipeline_class": ...}`; the engine still loads the
-transformer's weights and each request's LoRA) runs rollout.euler_rollout, the loop rollout.sample runs, from
-the trainer's seeded initial latents and prompt embeddings, and returns the final latents, which
-the trainer decodes with its own VAE as rollout.sample does; the engine keeps no text encoder
-and no VAE of its own:
+transformer's weights and each request's LoRA) runs rollout.euler_rollout, the loop
+rollout.sample runs, from the trainer's seeded initial latents and prompt embeddings, and returns
+the final latents, which the trainer decodes with its own VAE as rollout.sample does; the engine
+keeps no text encoder and no VAE of its own:
 
     engine = OmniRollout(pipe, args.model, device, world_size)  # after add_lora_adapters
     with use_adapter(pipe.transformer, "sampling"):
@@ -331,7 +331,7 @@ def _make_pipeline_class():
         def __init__(self, *, od_config, prefix=""):
             super().__init__(od_config=od_config, prefix=prefix)
             # vLLM-Omni builds a custom pipeline on the CPU and then moves it to the GPU: dropped
-            # here, the text encoders and the VAE (11 of SD3.5-M's 16 GB) never reach it
+            # here, the text encoders and the VAE (10.5 of SD3.5-M's 15.6 GiB) never reach it
             for name in UNUSED_MODULES:
                 setattr(self, name, None)
 

@@ -502,8 +502,8 @@ def test_the_request_carries_unshifted_sigmas_latents_seeds_and_unique_embedding
 
 
 def test_the_engine_holds_the_transformer_alone_and_refuses_a_text_prompt(engine, tiny_model_dir):
-    """vLLM-Omni's SD3 pipeline loads three text encoders and a VAE (11 of SD3.5-M's 16 GB) that
-    the trainer runs itself: the engine's pipeline drops them before it is moved to the GPU."""
+    """vLLM-Omni's SD3 pipeline loads three text encoders and a VAE (10.5 of SD3.5-M's 15.6 GiB)
+    that the trainer runs itself: the engine's pipeline drops them before it is moved to the GPU."""
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
