@@ -25,8 +25,7 @@ import tyro
 from einops import rearrange
 
 from common import (WORDS, Compiler, GuardedStep, RolloutEngine, Run, TrainingRows, Validation,
-                    check_numbers, check_shared_args, fail, image_seed,
-                    loading_errors_as_one_line, training_scorer)
+                    check_numbers, check_shared_args, fail, image_seed, training_scorer)
 from data import GroupSampler
 from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
                      negative_embeddings, use_adapter)
@@ -308,7 +307,7 @@ if __name__ == "__main__":
     device = run.device
     images_per_rank = args.prompts_per_rank * args.group_size
     micro_rows = args.train_batch_size * args.num_train_timesteps  # training rows of one step
-    with loading_errors_as_one_line():
+    with run.loading_errors_as_one_line():
         engine = RolloutEngine(args, run.world_size, device)  # vllm-omni: checked, not started
         train_set, eval_set = run.read_inputs()  # prompts and model paths; --dry-run ends here
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, args.group_size, args.seed,
