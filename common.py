@@ -782,7 +782,8 @@ class Run:
     the main process), stop signals, the state that checkpoints hold, TensorBoard and the progress
     bar, the stop that every rank agrees on, checkpoints, summary.json and the exit status."""
 
-    loading_errors_as_one_line = staticmethod(loading_errors_as_one_line)  # the loop's `with`
+    # the trainers' loading block: `with run.loading_errors_as_one_line():`
+    loading_errors_as_one_line = staticmethod(loading_errors_as_one_line)
 
     def __init__(self, args, algorithm):
         self.args = args
