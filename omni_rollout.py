@@ -41,7 +41,8 @@ PIPELINE_CLASS = "omni_rollout.EulerRolloutPipeline"  # made by __getattr__, in 
 PAYLOAD = "crd_rollout"  # the extra_args key of what only our pipeline reads
 ENGINE_DEVICE_TYPES = ("cuda",)  # vLLM-Omni has no CPU diffusion path
 PROBE_SIZE, PROBE_STEPS = 64, 2  # the start-up adapter check: one image, 64 px, 2 steps
-UNUSED_MODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")  # the trainer runs
+# what the trainer runs itself: the engine's pipeline drops them
+UNUSED_MODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")
 
 
 def check_engine(world_size: int, device, model: str | None = None) -> None:

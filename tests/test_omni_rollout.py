@@ -49,9 +49,9 @@ STAND_IN = {
                                    custom_pipeline_args=custom_pipeline_args, **kwargs)
                 od_config = OmniDiffusionConfig(model=model, dtype=getattr(torch, dtype))
                 module, _, name = custom_pipeline_args["pipeline_class"].rpartition(".")  # qualname
-                # built on the CPU, then moved to the engine's device
+                # built on the CPU, then moved to the engine's device (here the CPU too)
                 pipeline = getattr(importlib.import_module(module), name)(od_config=od_config)
-                self.pipeline = pipeline.to(kwargs.get("device", "cpu"))
+                self.pipeline = pipeline.to("cpu")
                 self.lora_manager = DiffusionLoRAManager(self.pipeline)
                 self.post_process = get_sd3_image_post_process_func(od_config)
                 self.ids, self.requests = itertools.count(), []
