@@ -39,7 +39,9 @@ from reward import AESTHETIC_CLIP, PICKSCORE_MODEL, PICKSCORE_PROCESSOR, parse_m
 from rollout import export_lora, load_lora_state_dict, lora_state_dict
 
 ADAPTERS = ("policy", "old", "sampling")
-RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json")  # what makes a directory hold a run
+EVAL_SCORES = "eval_scores.jsonl"  # a run's per-prompt validation scores, a line a validation
+# what makes a directory hold a run
+RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json", EVAL_SCORES)
 # what a save writes: a global_step_N without one of them is no complete checkpoint
 CHECKPOINT_FILES = ("policy_lora", "adapters.safetensors", "optimizer.pt", "trainer_state.json")
 LATEST = "latest"  # --resume-from latest: the newest complete checkpoint of the run, or a new run

@@ -35,9 +35,9 @@ from tensorboard.summary.writer import record_writer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (GracefulStop, RunComplete, RunError, actor_peak_memory, checkpoints,
-                        prepare_run, prompt_files_sha256, save_checkpoint, save_last_iteration,
-                        start_state, summary_of_state)
+from checkpoint import (EVAL_SCORES, GracefulStop, RunComplete, RunError, actor_peak_memory,
+                        checkpoints, prepare_run, prompt_files_sha256, save_checkpoint,
+                        save_last_iteration, start_state, summary_of_state)
 from data import DataError, load_train_and_eval_prompts
 from omni_rollout import OmniRollout, check_engine
 from precompile import Precompile
@@ -629,12 +629,32 @@ def judge_tag(name):
 # ---- validation ------------------------------------------------------------------------------
 
 
+def keep_eval_scores_until(run_dir, iteration):
+    """A resumed run's EVAL_SCORES keeps the validations of its first `iteration` iterations (a
+    stop after a validation and before its checkpoint validates that iteration again); a torn last
+    line goes too. Replaced at once, never left half written."""
+    path = Path(run_dir) / EVAL_SCORES
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    partial = path.with_name(f".{EVAL_SCORES}.tmp")
+    partial.write_text("".join(kept))
+    partial.replace(path)
+
+
 class Validation:
     """The held-out prompts rendered by the sampling adapter (image i from seed eval_seed + i) at
     --eval-guidance, on the main process; the scorer and each --eval-judge (in a thread of its own)
     read each chunk of images while the next one samples. Logs the reward (a mix's weighted sum,
     and each component as eval/reward_<name>), each judge (judge_tag), a captioned grid, the
-    transcriptions and the time it took. A judge that is part of --reward is not scored again.
+    transcriptions and the time it took, and appends every prompt's scores to EVAL_SCORES. A
+    judge that is part of --reward is not scored again.
     A judge that fails (to load, or in a validation: its server died, its model raised) is a
     second opinion lost, not the run: one warning line names it and its error, the run goes on
     without it (no eval/<judge> from then on) and summary.json's failed_judges says why."""
@@ -706,6 +726,7 @@ class Validation:
                 if name in READERS:
                     transcriptions = [f"{line} ({name}: {x!r})"
                                       for line, x in zip(transcriptions, judge_texts)]
+        self.save_scores(iteration, scores, judged)
         grid = captioned_grid(images[:16], captions[:16])
         writer.add_image("eval/images", grid, iteration, dataformats="HWC")
         writer.add_text("eval/transcriptions", "\n\n".join(transcriptions), iteration)
@@ -715,6 +736,16 @@ class Validation:
         first = self.listed_judges[0] if self.listed_judges else None
         entry = [iteration, float(np.mean(scores)), means.get(first)]
         return entry + [means] if means and self.listed_judges != ["paddle"] else entry
+
+    def save_scores(self, iteration, scores, judged):
+        """One line of EVAL_SCORES: every held-out prompt's reward and judge scores in the eval
+        set's order, so that runs validated on the same prompts compare prompt by prompt."""
+        line = {"iteration": iteration, "targets": list(self.targets),
+                "reward": [float(s) for s in scores],
+                "judges": {name: [float(s) for s in judge_scores]
+                           for name, (judge_scores, _) in judged.items()}}
+        with open(self.run.dir / EVAL_SCORES, "a") as file:
+            file.write(json.dumps(line) + "\n")  # one write: a kill leaves at most a torn last line
 
     def drop_failed_judges(self, where):
         """Warn once of each judge that has failed, in one line, and score with it no more; returns
@@ -854,6 +885,7 @@ class Run:
             fail(error)
         if self.main_process:
             purge = state["iteration"] + 1 if state["iteration"] else None
+            keep_eval_scores_until(self.dir, state["iteration"])
             if args.track:
                 self.tracking = start_tracking(args, self.dir, resumed=bool(state["iteration"]))
             self.writer = SummaryWriter(self.dir, purge_step=purge)

@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import checkpoint
 import crd
+from data import load_prompts
 import dgpo
 import nft
 import rollout
@@ -109,6 +110,20 @@ def test_summary_matches_the_tensorboard_scalars(three_iterations):
     assert summary["peak_mem_gib"]["actor rank 0 cpu"] == pytest.approx(max(scalars(run, "perf/peak_mem_gib").values()), rel=1e-6)
 
 
+def test_each_validation_keeps_every_prompts_score_in_the_eval_sets_order(three_iterations):
+    """eval_scores.jsonl: a line a validation, each held-out prompt's reward in the eval file's order, whose mean is the
+    logged eval/reward_mean (so that runs on the same prompts compare prompt by prompt)."""
+    script, run = three_iterations
+    lines = [json.loads(line) for line in (run / checkpoint.EVAL_SCORES).read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [0, 1, 2, 3]
+    targets = [row["target"] for row in load_prompts(str(DATA / "test.txt"))[0][:4]]
+    rewards = scalars(run, "eval/reward_mean")
+    for line in lines:
+        assert line["targets"] == targets and line["judges"] == {}  # --eval-judge none
+        assert len(line["reward"]) == 4 and len(set(line["reward"])) > 1  # each prompt's own score
+        assert np.mean(line["reward"], dtype=np.float32) == pytest.approx(rewards[line["iteration"]], rel=1e-6)
+
+
 def test_logged_decays_follow_each_algorithms_schedule(three_iteration_runs):
     """2 optimizer steps per iteration here. CRD: both schedules at k = 2 x iterations done. DGPO: the old EMA's
     decay after the last step of iteration n reads the 2n - 1 steps taken before it; the sampling adapter copies.
@@ -153,6 +168,9 @@ def test_resume_continues_exactly(three_iterations, tiny_model_dir, tmp_path):
     script, straight = three_iterations
     train(script, tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 1, "--save-every", 1)
     resumed = tmp_path / "run"
+    # as a stop after a validation and before its checkpoint leaves it, and a kill mid-line: both go at the resume
+    with open(resumed / checkpoint.EVAL_SCORES, "a") as file:
+        file.write(json.dumps({"iteration": 2, "targets": [], "reward": [], "judges": {}}) + '\n{"iterat')
     train(script, tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 1, "--save-every", 1,
           "--resume-from", resumed / "global_step_1")
     a, b = load_file(straight / "global_step_2" / "adapters.safetensors"), load_file(resumed / "global_step_2" / "adapters.safetensors")
@@ -162,6 +180,9 @@ def test_resume_continues_exactly(three_iterations, tiny_model_dir, tmp_path):
         assert logged == {step: expected[step] for step in logged} and max(logged) == 2, tag
     state = json.loads((resumed / "global_step_2" / "trainer_state.json").read_text())
     assert state["eval"] == json.loads((straight / "global_step_2" / "trainer_state.json").read_text())["eval"]
+    # every prompt's score of the validations 0, 1 and 2, once each, bitwise the uninterrupted run's
+    straight_lines = (straight / checkpoint.EVAL_SCORES).read_text().splitlines()
+    assert (resumed / checkpoint.EVAL_SCORES).read_text().splitlines() == straight_lines[:3]
 
 
 def test_resume_refuses_settings_that_define_the_run(three_iteration_runs, tiny_model_dir, tmp_path):
