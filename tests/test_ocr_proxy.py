@@ -150,11 +150,23 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
         assert [r["target"] for r in load_prompts(settings["eval_data"])[0]] == split_words(SMALL_TASK, 0)["validation"]
         if name.startswith("crd"):  # CRD's snapshots keep moving; the others' by their own schedules
             assert settings["sampling_decay"] == [75, 0, 0.0075, 0.9] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
-        assert set(scores) == {"checkpoint", "cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
-        assert all(0.0 <= scores[k] <= 1.0 for k in scores if k != "checkpoint")
+        protocols = {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
+        assert set(scores) == {"checkpoint", "per_prompt", *protocols} and set(scores["per_prompt"]) == protocols
+        assert all(0.0 <= scores[k] <= 1.0 for k in protocols)
+        # every word's score is kept, in report["eval_words"]' order, for paired comparisons
+        for protocol in protocols:
+            assert len(scores["per_prompt"][protocol]) == 2
+            assert np.mean(scores["per_prompt"][protocol]) == pytest.approx(scores[protocol])
+        assert sorted(run["per_prompt"]) == ["0", "1", "2"]
+        for step, mean in run["eval"]:
+            assert np.mean(run["per_prompt"][str(step)], dtype=np.float32) == pytest.approx(mean, rel=1e-6)
+    assert report["eval_words"] == split_words(SMALL_TASK, 0)["validation"][:2]
+    # the control's per-prompt scores are its PP-OCR judge's, the reward's are the pool's: the same at the base
+    assert report["runs"]["crd_klonly_seed3"]["per_prompt"]["0"] == report["runs"]["crd_seed3"]["per_prompt"]["0"]
+    assert report["usage"]["trainers_cpu_s"] > 0 and report["usage"]["ocr_pool_threads_median"] >= 1
     # the driver's scoring of the last checkpoint reproduces the trainer's last validation (same sampler, seeds, words)
     assert report["final_scores"]["crd_seed3"]["cfg1_2steps"] == pytest.approx(report["runs"]["crd_seed3"]["eval"][-1][1])
-    assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps"}
+    assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "per_prompt"}
     assert (out / "curves.png").stat().st_size > 10_000 and (out / "benchmark.json").is_file()
     # the plot's title names the runs' own batch, not the driver's defaults (8 x 6)
     assert run_benchmark.batch_structure([out / "runs" / name for name in runs]) == "2 prompts x 2 images"
@@ -195,6 +207,7 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
     log = (tmp_path / "stopped" / "runs" / "crd_seed3.log").read_text()
     assert log.index('"iterations": 1') < log.index("--resume-from latest:")  # appended: the first run's lines stay
     assert straight["runs"]["crd_seed3"]["eval"] == resumed["runs"]["crd_seed3"]["eval"]
+    assert straight["runs"]["crd_seed3"]["per_prompt"] == resumed["runs"]["crd_seed3"]["per_prompt"]
     # the grids of the resumed run's first and last validation, not those of the first part
     assert sorted(p.name for p in (tmp_path / "stopped").glob("grid_*.png")) == [
         "grid_crd_seed3_first_iteration0.png", "grid_crd_seed3_last_iteration2.png"]
@@ -241,7 +254,7 @@ def test_a_variant_written_algo_name_runs_only_that_algorithm():
         "crd_tuned_seed0", "dgpo_tuned_seed0", "nft_tuned_seed0"]
 
 
-def test_the_sweep_choice_takes_the_best_second_half_mean_of_each_algorithm_by_a_fixed_rule():
+def test_the_sweep_choice_keeps_the_default_unless_a_second_half_gain_clears_its_interval():
     from dataclasses import asdict
 
     from benchmark.ocr_proxy import choose, run_benchmark
@@ -249,17 +262,24 @@ def test_the_sweep_choice_takes_the_best_second_half_mean_of_each_algorithm_by_a
     args = run_benchmark.Args(seeds=[10, 11], algorithms=["crd", "dgpo"], eval_split="validation",
                               variants=["default=", "crd:b2=--crd-beta 2", "dgpo:c5=--clip-range 1e-5"])
     late = {"crd_default": 0.5, "crd_b2": 0.6, "dgpo_default": 0.4, "dgpo_c5": 0.4}
+    difficulty = np.linspace(-0.2, 0.2, 8)  # of the 8 held-out words, shared by every run
     runs = {}
-    for algo, variant, seed in run_benchmark.plan(args)[1]:
+    for index, (algo, variant, seed) in enumerate(run_benchmark.plan(args)[1]):
         name = run_benchmark.run_name(algo, variant, seed)
         # b2 is the worst at iteration 20, the best from 40 on; seed 11 was cut at 60 by the time limit
         curve = [[0, 0.3], [20, 0.9 - late[f"{algo}_{variant}"]]] + [[i, late[f"{algo}_{variant}"]]
                                                                      for i in (40, 60, 80)]
-        runs[name] = {"eval": curve[:4] if seed == 11 else curve}
+        noise = np.random.default_rng(index).normal(0, 0.01, 8)  # each run's own images
+        curve = curve[:4] if seed == 11 else curve
+        per_prompt = {str(i): (score + difficulty + noise).tolist() for i, score in curve}
+        runs[name] = {"eval": curve, "per_prompt": per_prompt}
     chosen, table = choose.choose({"args": asdict(args), "runs": runs})
-    assert chosen == {"crd": "crd:tuned=--crd-beta 2", "dgpo": "dgpo:tuned="}  # a tie keeps the first
+    # b2's 0.1 clears its interval; c5 ties with the default, which a tie keeps
+    assert chosen == {"crd": "crd:tuned=--crd-beta 2", "dgpo": "dgpo:tuned="}
+    b2, c5 = table["variants"]["crd"]["b2"], table["variants"]["dgpo"]["c5"]
+    assert b2["vs_default"]["low"] > 0 and c5["vs_default"]["low"] < 0 < c5["vs_default"]["high"]
     assert table["iterations"] == [40, 60]  # the second half of the 60 iterations every run reached
-    assert table["variants"]["crd"]["b2"]["score"] == pytest.approx(0.6)
+    assert b2["score"] == pytest.approx(0.6, abs=0.01) and b2["vs_default"]["diff"] == pytest.approx(0.1, abs=0.01)
 
 
 @pytest.mark.parametrize("flags, message", [

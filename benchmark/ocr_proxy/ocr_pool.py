@@ -65,6 +65,10 @@ class OcrPool:
         """One image's text; safe to call from many threads at once."""
         return self.pool.apply(_read, (image,)) if self.pool else _read(image)
 
+    def pids(self) -> list[int]:
+        """The worker processes' ids (none in process)."""
+        return [worker.pid for worker in self.pool._pool] if self.pool else []
+
     def close(self):
         if self.pool:
             self.pool.terminate()

@@ -263,8 +263,8 @@ def latent_distribution(vae, images: torch.Tensor, autocast) -> tuple[torch.Tens
 
 @torch.no_grad()
 def sample_and_score(pipe, embed, words: list[str], num_steps: int, guidance: float, resolution: int, pool: OcrPool,
-                     autocast) -> tuple[float, np.ndarray]:
-    """Mean PP-OCR score of one image per word (image i from seed i, as the trainers validate) and the images."""
+                     autocast) -> tuple[np.ndarray, np.ndarray]:
+    """PP-OCR scores of one image per word (image i from seed i, as the trainers validate) and the images."""
     embeds, pooled = embed([prompt(w) for w in words])
     negative = embed([""])
     with autocast:
@@ -272,7 +272,7 @@ def sample_and_score(pipe, embed, words: list[str], num_steps: int, guidance: fl
                                 resolution, max_batch_size=256, negative_embeds=negative[0],
                                 negative_pooled=negative[1])["images"]
     scores, _ = pool.score(images, words)
-    return float(scores.mean()), images
+    return scores, images
 
 
 @torch.no_grad()
@@ -285,8 +285,8 @@ def evaluate_saved(out: Path, words: list[str], args: Args, pool: OcrPool) -> di
     def embed(prompts):
         return rollout.encode_prompts(pipe, prompts, args.max_sequence_length)
 
-    return {"words": len(words), **{name: sample_and_score(pipe, embed, words, n, g, args.task.resolution, pool,
-                                                           autocast)[0]
+    return {"words": len(words), **{name: float(sample_and_score(pipe, embed, words, n, g, args.task.resolution,
+                                                                 pool, autocast)[0].mean())
                                     for name, (g, n) in protocols(args).items()}}
 
 
@@ -363,8 +363,8 @@ def pretrain(args: Args) -> Path:
         for module in (transformer, *encoders):
             module.eval()
         val = words["validation"][: args.eval_words]
-        entry = {"step": step, **{name: sample_and_score(pipe, embed, val, n, g, args.task.resolution, pool,
-                                                          autocast)[0]
+        entry = {"step": step, **{name: float(sample_and_score(pipe, embed, val, n, g, args.task.resolution,
+                                                                pool, autocast)[0].mean())
                                   for name, (g, n) in protocols(args).items()}, "train_s": train_s}
         for module in (transformer, *encoders):
             module.train()

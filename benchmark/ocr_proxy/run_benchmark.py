@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -60,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
 import rollout  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
+from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
@@ -118,7 +120,13 @@ class Args:
     """pool: the trainers' `--reward vllm` client reads PP-OCR from a local server backed by a pool of engines (the
     same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
     ocr_workers: int = 0
-    """PP-OCR engines of the pool (0: one per core, less one per trainer)"""
+    """PP-OCR engines of the pool (0: half the cores)"""
+    trainer_threads: int = 1
+    """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): the
+    trainers' CPU work is small, and many trainers with a thread per core each crowd the OCR pool"""
+    mps: bool = False
+    """run the trainers through NVIDIA's MPS daemon, so that their kernels share the GPU at once
+    rather than by turns"""
     trainer_args: str = ""
     """extra arguments for every trainer, e.g. '--trainer-args=--learning-rate 1e-4' (with '=')"""
     algorithms: list[Literal["crd", "dgpo", "nft"]] = field(default_factory=lambda: list(ALGORITHMS))
@@ -170,6 +178,8 @@ def check_args(args: Args) -> None:
         if named & runs:
             fail(f"--variants {variant!r}: a second variant named {name!r} for {sorted(named & runs)[0][0]}")
         runs |= named
+    if args.trainer_threads < 0:
+        fail(f"--trainer-threads {args.trainer_threads}: 0 (torch's default) or more")
     if args.kl_only_control and args.scorer != "pool":
         fail("--kl-only-control: the reward that reads no text is served by the pool (--scorer pool)")
     if args.kl_only_control and any(variant_name(v.split("=", 1)[0])[1] == KL_ONLY for v in args.variants):
@@ -250,7 +260,8 @@ def run_name(algo: str, variant: str, seed: int) -> str:
 
 
 def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int], model: Path, data: Path, runs: Path,
-           max_sequence_length: int, reward: list[str], variant_args: str, args: Args) -> subprocess.Popen:
+           max_sequence_length: int, reward: list[str], variant_args: str, args: Args,
+           extra_env: dict) -> subprocess.Popen:
     command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), *reward,
                "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / f"{args.eval_split}.jsonl"),
                "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
@@ -273,7 +284,9 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                *(CRD_SNAPSHOTS if algo == "crd" else ()),
                *(["--resume-from", "latest"] if args.resume else []),
                *shlex.split(args.trainer_args), *shlex.split(variant_args)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu), **extra_env}
+    if args.trainer_threads:
+        env |= {name: str(args.trainer_threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     print("+ " + " ".join(command), flush=True)
     # the child keeps its own copy of the file; a resumed run's lines follow its first lines
     with open(runs / f"{run_name(algo, variant, seed)}.log", "a" if args.resume else "w") as log:
@@ -287,7 +300,8 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
     and of each run's last checkpoint, with the adapter the trainers validate with ("sampling"), and with
     the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
     policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
-    closely."""
+    closely. Each entry keeps every word's score too, in `words`' order: {"per_prompt": {protocol:
+    [...]}}."""
     cuda = torch.cuda.is_available()
     pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
@@ -295,12 +309,17 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
     def embed(prompts):
         return rollout.encode_prompts(pipe, prompts, max_sequence_length)
 
-    def at_protocols(adapter, named):
+    def at_protocols(adapter, named, prefix=""):
         with rollout.use_adapter(pipe.transformer, adapter):
-            return {name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool, autocast)[0]
-                    for name, (g, n) in named.items()}
+            scores = {prefix + name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool,
+                                                               autocast)[0]
+                      for name, (g, n) in named.items()}
+        return {name: float(s.mean()) for name, s in scores.items()}, {k: s.tolist() for k, s in scores.items()}
 
-    scores, validation = {"base": at_protocols(None, protocols)}, dict([next(iter(protocols.items()))])
+    def entry(means, per_prompt):
+        return {**means, "per_prompt": per_prompt}
+
+    scores, validation = {"base": entry(*at_protocols(None, protocols))}, dict([next(iter(protocols.items()))])
     for index, (name, run_dir) in enumerate(runs.items()):
         adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
         checkpoints = checkpoint.checkpoints(run_dir)
@@ -308,9 +327,42 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
             adapters, trained = checkpoint.read_adapters(checkpoints[-1])
             rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["sampling"])
-            scores[name] = {"checkpoint": checkpoints[-1].name, **at_protocols(adapter, protocols)}
+            means, per_prompt = at_protocols(adapter, protocols)
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
-            scores[name].update({f"policy_{k}": v for k, v in at_protocols(adapter, validation).items()})
+            policy_means, policy_per_prompt = at_protocols(adapter, validation, "policy_")
+            scores[name] = {"checkpoint": checkpoints[-1].name,
+                            **entry({**means, **policy_means}, {**per_prompt, **policy_per_prompt})}
+    return scores
+
+
+def progress(runs: Path, jobs: list[tuple[str, str, int]], iterations: int) -> str:
+    """'iterations 40-45 of 225, 30 runs going' from the progress bars in the runs' logs."""
+    reached = []
+    for job in jobs:
+        log = runs / f"{run_name(*job)}.log"
+        with open(log, "rb") if log.is_file() else nullcontext(None) as file:
+            if file is None:
+                continue
+            file.seek(max(0, log.stat().st_size - 4096))
+            bars = re.findall(rb"iterations:.*?\| *(\d+)/\d+ \[", file.read())
+        reached += [int(bars[-1])] if bars else []
+    if not reached:
+        return "the runs are loading"
+    return f"iterations {min(reached)}-{max(reached)} of {iterations} ({len(reached)} of {len(jobs)} runs started)"
+
+
+def per_prompt_scores(run_dir: Path) -> dict[str, list[float]]:
+    """{iteration: every held-out word's PP-OCR score, in the eval set's order} of a run's validations
+    (its eval_scores.jsonl): the trainers' PP-OCR judge where it ran (the control's reward reads nothing), else
+    their reward, the pool's PP-OCR. An iteration validated again after a resume: its last line."""
+    path = run_dir / checkpoint.EVAL_SCORES
+    scores = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a torn last line of a killed run
+            continue
+        scores[str(entry["iteration"])] = entry["judges"].get("paddle", entry["reward"])
     return scores
 
 
@@ -388,7 +440,7 @@ def main(args: Args) -> dict:
     started = benchmark_started = time.perf_counter()
     arguments, jobs = plan(args)
     cores = sorted(os.sched_getaffinity(0))
-    pool = OcrPool(args.ocr_workers or max(1, len(cores) - len(jobs))) if args.scorer == "pool" else None
+    pool = OcrPool(args.ocr_workers or max(1, len(cores) // 2)) if args.scorer == "pool" else None
     model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
     report["phases_s"]["pretrain"] = time.perf_counter() - started
     proxy = json.loads((model / "proxy.json").read_text())
@@ -396,10 +448,15 @@ def main(args: Args) -> dict:
     words = split_words(args.pretrain.task, args.pretrain.seed)
     write_prompts(data / "train.jsonl", words["train"])
     write_prompts(data / f"{args.eval_split}.jsonl", words[args.eval_split])
+    report["eval_words"] = words[args.eval_split][: args.eval_prompts]  # the order of every per_prompt list
 
     started = time.perf_counter()
     gpus = gpu_count()
-    with serve(pool) if pool else nullcontext() as url:
+    processes = {}
+    usage = Usage({"trainers": lambda: [p.pid for p in processes.values() if p.poll() is None],
+                   "ocr_pool": pool.pids if pool else list, "driver": lambda: [os.getpid()]})
+    with serve(pool) if pool else nullcontext() as url, \
+            mps_daemon(out / "mps") if args.mps else nullcontext({}) as mps_env:
         if pool:
             # the reward is already PP-OCR: no second, in-process PP-OCR judge of the validation images
             reward = ["--reward", "vllm", "--reward-urls", url, "--reward-model", MODEL_NAME, "--eval-judge", "none"]
@@ -408,10 +465,15 @@ def main(args: Args) -> dict:
             reward, per_job = ["--reward", "paddle"], max(1, len(cores) // len(jobs))
         processes = {job: launch(*job, i % gpus if gpus else None,
                                  cores[i * per_job % len(cores) :][:per_job], model, data, runs,
-                                 args.pretrain.max_sequence_length, reward, arguments[job[:2]], args)
+                                 args.pretrain.max_sequence_length, reward, arguments[job[:2]], args, mps_env)
                      for i, job in enumerate(jobs)}
-        stopped = False
+        stopped, last_line = False, time.perf_counter()
         while any(p.poll() is None for p in processes.values()):
+            usage.sample()
+            if time.perf_counter() - last_line > 60:
+                last_line = time.perf_counter()
+                print(f"run_benchmark: {last_line - started:.0f} s: {progress(runs, jobs, args.iterations)}; "
+                      f"{usage.line()}", flush=True)
             if args.time_limit_s and not stopped and time.perf_counter() - benchmark_started > args.time_limit_s:
                 for p in processes.values():
                     if p.poll() is None:
@@ -420,6 +482,8 @@ def main(args: Args) -> dict:
                 print(f"run_benchmark: time limit of {args.time_limit_s:.0f} s: asked every run to stop", flush=True)
             time.sleep(2)
     report["phases_s"]["rl"] = time.perf_counter() - started
+    report["usage"] = usage.summary()  # what bounded the runs: read in docs/ocr-proxy.md
+    print(f"run_benchmark: while the runs trained: {report['usage']}", flush=True)
     if pool and args.final_scores:
         started = time.perf_counter()
         protocols = {**pretrain.protocols(args.pretrain),
@@ -430,7 +494,9 @@ def main(args: Args) -> dict:
                                               args.pretrain.max_sequence_length, args.pretrain.task.resolution,
                                               protocols)
         report["phases_s"]["final_scores"] = time.perf_counter() - started
-        print(f"run_benchmark: held-out PP-OCR of the base and each run's last checkpoint: {report['final_scores']}")
+        means = {name: {k: round(v, 4) for k, v in entry.items() if isinstance(v, float)}
+                 for name, entry in report["final_scores"].items()}
+        print(f"run_benchmark: held-out PP-OCR of the base and each run's last checkpoint: {means}")
     if pool:
         pool.close()
     report["return_codes"] = {run_name(*job): p.returncode for job, p in processes.items()}
@@ -445,7 +511,8 @@ def main(args: Args) -> dict:
         label = f"{algo.upper()}, KL-only control" if variant == KL_ONLY else f"{algo.upper()} {variant}".strip()
         curves.setdefault(label, {})[seed] = curve
         summary = run_dir / "summary.json"
-        report["runs"][name] = {**(json.loads(summary.read_text()) if summary.is_file() else {}), "eval": held_out}
+        report["runs"][name] = {**(json.loads(summary.read_text()) if summary.is_file() else {}), "eval": held_out,
+                                "per_prompt": per_prompt_scores(run_dir)}
         report["grids"] += save_grids(run_dir, out, name)
     for variant in dict.fromkeys(name for _, name, _ in jobs):  # a table where every algorithm ran it
         every = all((algo, variant) in arguments for algo in args.algorithms)
