@@ -1,10 +1,11 @@
-"""What the OCR proxy's runs use of the machine, and NVIDIA's MPS daemon that lets them share one GPU.
+"""What the OCR proxy's runs use of the machine, and NVIDIA's MPS daemon that lets them share one
+GPU at once.
 
-    usage = Usage({"trainers": trainer_pids, "ocr": pool_pids})    # before the runs start
-    usage.sample()                                                  # every few seconds while they run
-    usage.summary()        # GPU busy and memory, load, each group's CPU seconds and threads
+    usage = Usage({"trainers": trainer_pids, "ocr": pool_pids})  # before the runs start
+    usage.sample()                                        # every few seconds while they run
+    usage.summary()         # GPU busy and memory, load, each group's CPU seconds and threads
 
-    with mps_daemon(out / "mps") as env:                            # env for the trainers' processes
+    with mps_daemon(out / "mps") as env:                  # env for the trainers' processes
         ...
 
 Many small trainers on one GPU: without MPS the GPU runs one process's kernels at a time (time
@@ -27,7 +28,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def gpu_busy_and_memory() -> tuple[float, float] | None:
-    """(percent of the last sample period a kernel ran, MiB in use) of GPU 0, or None without one."""
+    """(percent of the last sample period a kernel ran, MiB in use) of GPU 0; None without one."""
     if shutil.which("nvidia-smi") is None:
         return None
     out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
@@ -93,9 +94,10 @@ class Usage:
         def median(values):
             return round(statistics.median(values), 2) if values else None
 
+        gpu_mean = round(statistics.fmean(self.gpu), 1) if self.gpu else None
         summary = {"wall_s": round(wall, 1), "samples": len(self.load), "cores": cores,
                    "gpu_busy_percent_median": median(self.gpu),
-                   "gpu_busy_percent_mean": round(statistics.fmean(self.gpu), 1) if self.gpu else None,
+                   "gpu_busy_percent_mean": gpu_mean,
                    "gpu_memory_mib_max": max(self.memory) if self.memory else None,
                    "load_median": median(self.load),
                    "machine_cpu_busy_percent": round(100 * busy / max(total, 1), 1)}

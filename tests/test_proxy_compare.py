@@ -1,0 +1,312 @@
+"""The OCR proxy's statistics: compare.difference's intervals (exact, calibrated, powered),
+compare.py on a benchmark.json, and choose.py's rule on a sweep."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from benchmark.ocr_proxy import choose, run_benchmark
+from benchmark.ocr_proxy.compare import difference
+
+COMPARE = Path(__file__).resolve().parents[1] / "benchmark" / "ocr_proxy" / "compare.py"
+PROMPTS = 128
+# a row of compare.py's difference tables: | a - b | diff | [low, high] | mde | yes/no |
+ROW = re.compile(r"^\| (?P<pair>[^|]+) \| (?P<diff>[+-][\d.]+) \| \[(?P<low>[+-][\d.]+), "
+                 r"(?P<high>[+-][\d.]+)\] \| (?P<mde>[\d.]+) \| (?P<excludes>yes|no) \|$", re.M)
+
+
+def synthetic(rng, prompt_effect, shift=0.0, seeds=10, seed_effect=None, seed_sd=0.01, noise=0.1):
+    """X[s, p] = 0.5 + shift + seed effect + prompt effect (shared by the groups) + this group's
+    interaction with the prompt + the image's noise."""
+    if seed_effect is None:
+        seed_effect = rng.normal(0, seed_sd, seeds)
+    interaction = rng.normal(0, 0.03, prompt_effect.size)
+    image_noise = rng.normal(0, noise, (seeds, prompt_effect.size))
+    return 0.5 + shift + seed_effect[:, None] + prompt_effect + interaction + image_noise
+
+
+def pair(rng, shift=0.0, seeds=10, paired_seeds=False):
+    """Two groups on shared prompts; paired: their seeds' effects are the same."""
+    prompt_effect = rng.normal(0, 0.15, PROMPTS)
+    seed_effect = rng.normal(0, 0.01, seeds) if paired_seeds else None
+    a = synthetic(rng, prompt_effect, shift, seeds, seed_effect)
+    return a, synthetic(rng, prompt_effect, 0.0, seeds, seed_effect)
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+def variance(values):
+    return sum((v - mean(values)) ** 2 for v in values) / (len(values) - 1)
+
+
+def residual(x):
+    """The two-way ANOVA residual mean square, by loops."""
+    seeds, prompts = len(x), len(x[0])
+    rows = [mean(row) for row in x]
+    columns = [mean([row[p] for row in x]) for p in range(prompts)]
+    grand = mean(rows)
+    total = 0.0
+    for s in range(seeds):
+        for p in range(prompts):
+            total += (x[s][p] - rows[s] - columns[p] + grand) ** 2
+    return total / ((seeds - 1) * (prompts - 1))
+
+
+def reference(a, b, mode):
+    """(V, df) of the module docstring's formulas, by loops over Python floats."""
+    a, b = a.tolist(), b.tolist()
+    prompts = len(a[0])
+
+    def columns(x):
+        return [mean([row[p] for row in x]) for p in range(prompts)]
+
+    def one_sample(x):
+        seeds = len(x)
+        return [(variance([mean(row) for row in x]) / seeds, seeds - 1),
+                (max(0.0, variance(columns(x)) - residual(x) / seeds) / prompts, prompts - 1)]
+
+    if mode == "paired_seeds":
+        components = one_sample([[u - v for u, v in zip(ra, rb)] for ra, rb in zip(a, b)])
+    elif mode == "pair_prompts":
+        d = [u - v for u, v in zip(columns(a), columns(b))]
+        interaction = variance(d) - residual(a) / len(a) - residual(b) / len(b)
+        components = [(variance([mean(row) for row in a]) / len(a), len(a) - 1),
+                      (variance([mean(row) for row in b]) / len(b), len(b) - 1),
+                      (max(0.0, interaction) / prompts, prompts - 1)]
+    else:
+        components = one_sample(a) + one_sample(b)
+    total = sum(c for c, _ in components)
+    return total, total**2 / sum(c**2 / df for c, df in components if c > 0)
+
+
+@pytest.mark.parametrize("mode", ["pair_prompts", "paired_seeds", "own_prompts"])
+def test_the_variance_is_the_formulas_by_explicit_loops_on_a_small_example(mode):
+    rng = np.random.default_rng(1)
+    # a strong group-by-prompt interaction, so that the prompt term is above its clip at 0
+    a = rng.normal(0.5, 0.1, (3, 4)) + np.array([0.3, -0.2, 0.1, 0.0])
+    b = rng.normal(0.4, 0.1, (3, 4))
+    flags = {"pair_prompts": {}, "paired_seeds": {"paired_seeds": True},
+             "own_prompts": {"pair_prompts": False}}[mode]
+    result = difference(a, b, **flags)
+    expected, df = reference(a, b, mode)
+    assert result["se"] ** 2 == pytest.approx(expected, rel=1e-12)
+    assert result["df"] == pytest.approx(df, rel=1e-12)
+    assert result["diff"] == pytest.approx(a.mean() - b.mean(), rel=1e-12)
+    assert (result["n_seeds_a"], result["n_seeds_b"], result["n_prompts"]) == (3, 3, 4)
+    half = stats.t.ppf(0.975, df) * math.sqrt(expected)
+    assert (result["low"], result["high"]) == pytest.approx((a.mean() - b.mean() - half,
+                                                             a.mean() - b.mean() + half), rel=1e-12)
+    mde = half + stats.t.ppf(0.8, df) * math.sqrt(expected)
+    assert result["mde"] == pytest.approx(mde, rel=1e-12)
+
+
+def test_an_interaction_below_its_noise_is_clipped_at_zero():
+    """b = a + 0.1: the per-prompt difference is constant, so only the seeds' terms remain."""
+    a = np.random.default_rng(2).normal(0.5, 0.1, (3, 4))
+    result = difference(a + 0.1, a)
+    assert result["diff"] == pytest.approx(0.1, rel=1e-12)
+    assert result["se"] ** 2 == pytest.approx(2 * np.var(a.mean(axis=1), ddof=1) / 3, rel=1e-12)
+    assert result["df"] == pytest.approx(4.0, rel=1e-12)  # two equal terms of 2 df each
+
+
+@pytest.mark.parametrize("flags", [{}, {"paired_seeds": True}, {"pair_prompts": False}])
+def test_shifts_swaps_and_permutations_leave_the_interval_as_it_should(flags):
+    rng = np.random.default_rng(3)
+    a, b = pair(rng, shift=0.02, seeds=5)
+    result = difference(a, b, **flags)
+    shifted = difference(a + 0.25, b + 0.25, **flags)
+    assert shifted["diff"] == pytest.approx(result["diff"], rel=1e-9)
+    width = result["high"] - result["low"]
+    assert shifted["high"] - shifted["low"] == pytest.approx(width, rel=1e-9)
+    swapped = difference(b, a, **flags)
+    assert swapped["diff"] == pytest.approx(-result["diff"], rel=1e-12)
+    assert (swapped["low"], swapped["high"]) == pytest.approx((-result["high"], -result["low"]),
+                                                              rel=1e-12)
+    prompts = rng.permutation(PROMPTS)
+    seeds_a = rng.permutation(5)
+    seeds_b = seeds_a if flags.get("paired_seeds") else rng.permutation(5)
+    for permuted in (difference(a[:, prompts], b[:, prompts], **flags),
+                     difference(a[seeds_a], b[seeds_b], **flags)):
+        assert permuted.keys() == result.keys()
+        for key, value in result.items():
+            assert permuted[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_one_seed_mismatched_prompts_and_unequal_pairs_are_refused():
+    a = np.zeros((3, 4))
+    with pytest.raises(ValueError, match="one seed: its seed variance is unknown"):
+        difference(a, np.zeros((1, 4)))
+    with pytest.raises(ValueError, match=re.escape("shapes (3, 4) and (3, 5)")):
+        difference(a, np.zeros((3, 5)))
+    with pytest.raises(ValueError, match="paired seeds: 3 and 2 seeds"):
+        difference(a, np.zeros((2, 4)), paired_seeds=True)
+
+
+@pytest.mark.parametrize("paired_seeds", [False, True])
+def test_the_95_percent_interval_covers_no_difference_about_95_percent_of_the_time(paired_seeds):
+    rng = np.random.default_rng(4)
+    covered = [difference(*pair(rng, paired_seeds=paired_seeds), paired_seeds=paired_seeds)
+               for _ in range(400)]
+    rate = np.mean([r["low"] <= 0 <= r["high"] for r in covered])
+    assert 0.92 <= rate <= 0.98
+
+
+def test_a_true_shift_is_detected_and_the_mde_is_detected_80_percent_of_the_time():
+    rng = np.random.default_rng(5)
+    shifted = [difference(*pair(rng, shift=0.03)) for _ in range(400)]
+    assert np.mean([r["low"] > 0 for r in shifted]) >= 0.8
+    assert max(r["mde"] for r in shifted) <= 0.03
+    mde = float(np.median([r["mde"] for r in shifted]))
+    at_mde = [difference(*pair(rng, shift=mde)) for _ in range(400)]
+    assert 0.65 <= np.mean([r["low"] > 0 for r in at_mde]) <= 0.92
+
+
+def test_shared_prompts_narrow_the_interval_several_fold():
+    a, b = pair(np.random.default_rng(6), shift=0.03)
+    shared = difference(a, b)
+    own = difference(a, b, pair_prompts=False)
+    assert shared["diff"] == own["diff"]
+    assert (shared["high"] - shared["low"]) < 0.5 * (own["high"] - own["low"])
+    # the shift shows only where the prompts' difficulty cancels
+    assert shared["low"] > 0 > own["low"]
+
+
+def benchmark_report(rng, with_per_prompt=True):
+    """A benchmark.json of 5 seeds of CRD and DGPO with their KL-only controls: CRD 0.1 ahead of
+    the rest at the last validation and at the final scores, one CRD run validated once more."""
+    args = run_benchmark.Args(seeds=[0, 1, 2, 3, 4], algorithms=["crd", "dgpo"],
+                              kl_only_control=True)
+    prompt_effect = rng.normal(0, 0.15, PROMPTS)
+    report = {"args": asdict(args), "runs": {}, "final_scores": {"base": {}}}
+    for algo, variant, seed in run_benchmark.plan(args)[1]:
+        name = run_benchmark.run_name(algo, variant, seed)
+        shift = 0.1 if (algo, variant) == ("crd", "") else 0.0
+        last = synthetic(rng, prompt_effect, shift, seeds=1)[0]
+        per_prompt = {"0": synthetic(rng, prompt_effect, seeds=1)[0].tolist(), "50": last.tolist()}
+        if name == "crd_seed0":
+            per_prompt["75"] = last.tolist()
+        curve = [[int(i), float(np.mean(s))] for i, s in per_prompt.items()]
+        report["runs"][name] = {"eval": curve}
+        report["final_scores"][name] = {"checkpoint": "global_step_50", "cfg1_40steps": last.mean(),
+                                        "per_prompt": {"cfg1_40steps": last.tolist()}}
+        if with_per_prompt:
+            report["runs"][name]["per_prompt"] = per_prompt
+        else:
+            del report["final_scores"][name]["per_prompt"]
+    base = synthetic(rng, prompt_effect, seeds=1)[0]
+    report["final_scores"]["base"] = {"cfg1_40steps": base.mean(),
+                                      "per_prompt": {"cfg1_40steps": base.tolist()}}
+    return report
+
+
+def run_compare(*arguments):
+    return subprocess.run([sys.executable, str(COMPARE), *map(str, arguments)], capture_output=True,
+                          text=True, check=False)
+
+
+def test_compare_prints_each_pair_and_the_reward_attributable_gain_with_intervals(tmp_path):
+    report = benchmark_report(np.random.default_rng(7))
+    (tmp_path / "benchmark.json").write_text(json.dumps(report))
+    (tmp_path / "result.json").write_text(json.dumps({"date": "2025-01-01", "commit": "abc",
+                                                      "benchmark": report}))
+    bare = run_compare(tmp_path / "benchmark.json", "--json", tmp_path / "numbers.json")
+    assert bare.returncode == 0, bare.stderr
+    sections = bare.stdout.split("\n### ")[1:]
+    # the last validation of every run (crd_seed0's extra one is not), then the final scores
+    assert [s.splitlines()[0] for s in sections] == ["validation at iteration 50 (128 prompts)",
+                                                     "cfg1_40steps (128 prompts)"]
+    assert "| base |" in sections[1] and "| base |" not in sections[0]
+    for section in sections:
+        assert "| crd | " in section and "| 5 |" in section
+        pairs, gains = section.split("reward-attributable gain (paired by seed)")
+        rows = {m["pair"]: m for m in ROW.finditer(pairs)}
+        assert len(rows) == 6  # every pair of the 4 groups
+        gain = {m["pair"]: m for m in ROW.finditer(gains)}
+        assert list(gain) == ["crd - crd klonly", "dgpo - dgpo klonly"]
+        for row in (rows["crd - dgpo"], rows["crd - crd klonly"], gain["crd - crd klonly"]):
+            assert float(row["low"]) > 0 and row["excludes"] == "yes"
+            assert float(row["low"]) < float(row["diff"]) < float(row["high"])
+    numbers = json.loads((tmp_path / "numbers.json").read_text())
+    validation = numbers["validation at iteration 50"]
+    assert validation["groups"]["crd"]["seeds"] == [0, 1, 2, 3, 4]
+    first = validation["differences"][0]
+    assert (first["a"], first["b"]) == ("crd", "crd klonly")
+    assert f"[{first['low']:+.3f}, {first['high']:+.3f}]" in sections[0]
+    assert validation["reward_attributable"][0]["n_seeds_a"] == 5
+    assert not list(tmp_path.glob(".*.tmp"))
+
+    wrapped = run_compare(tmp_path / "result.json")
+    assert wrapped.returncode == 0, wrapped.stderr
+    assert wrapped.stdout.replace("result.json", "benchmark.json") == bare.stdout
+    earlier = run_compare(tmp_path / "benchmark.json", "--iteration", 0)
+    assert "### validation at iteration 0 (128 prompts)" in earlier.stdout
+
+
+def test_compare_names_a_report_without_per_prompt_scores_in_one_line(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"benchmark": benchmark_report(np.random.default_rng(8), False)}))
+    result = run_compare(path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"compare.py: error: {path}: no per-prompt scores (runs[...]['per_prompt']): written by a "
+        "run_benchmark.py from before them, so no intervals"]
+
+
+def sweep(rng, variants, seeds=(0, 1, 2)):
+    """A sweep's benchmark.json: variants {NAME: (shift, seed sd)} of CRD, validated at 0, 50 and
+    100."""
+    written = [f"crd:{name}=--crd-beta {i + 1}" for i, name in enumerate(variants)]
+    args = run_benchmark.Args(seeds=list(seeds), algorithms=["crd"], eval_split="validation",
+                              variants=written)
+    prompt_effect = rng.normal(0, 0.15, PROMPTS)
+    runs = {}
+    for name, (shift, seed_sd) in variants.items():
+        scores = synthetic(rng, prompt_effect, shift, len(seeds), seed_sd=seed_sd, noise=0.05)
+        for seed, row in zip(seeds, scores):
+            # iteration 0 is the base for every variant; the rule averages 50 and 100
+            per_prompt = {"0": [0.2] * PROMPTS, "50": row.tolist(), "100": row.tolist()}
+            runs[run_benchmark.run_name("crd", name, seed)] = {"per_prompt": per_prompt}
+    return {"args": asdict(args), "runs": runs}
+
+
+def test_choose_keeps_the_default_where_a_variant_leads_by_noise_and_takes_a_real_gain():
+    noise = sweep(np.random.default_rng(10), {"default": (0.0, 0.01), "same": (0.0, 0.01)})
+    chosen, table = choose.choose(noise)
+    rows = table["variants"]["crd"]
+    assert rows["same"]["score"] > rows["default"]["score"]  # the highest mean would take it
+    assert rows["same"]["vs_default"]["low"] < 0 and rows["chosen"] == "default"
+    assert chosen == {"crd": "crd:tuned=--crd-beta 1"}
+    assert table["iterations"] == [50, 100]
+
+    real = sweep(np.random.default_rng(9), {"first": (0.0, 0.01), "better": (0.05, 0.01)})
+    chosen, table = choose.choose(real, name="picked")
+    assert table["variants"]["crd"]["better"]["vs_default"]["low"] > 0  # vs "first": no "default"
+    assert chosen == {"crd": "crd:picked=--crd-beta 2"}
+
+
+def test_choose_takes_the_largest_lower_bound_not_the_largest_mean():
+    report = sweep(np.random.default_rng(14), {"default": (0.0, 0.002), "steady": (0.05, 0.002),
+                                                "erratic": (0.07, 0.02)})
+    chosen, table = choose.choose(report)
+    rows = table["variants"]["crd"]
+    assert rows["erratic"]["score"] > rows["steady"]["score"]
+    assert rows["steady"]["vs_default"]["low"] > rows["erratic"]["vs_default"]["low"] > 0
+    assert rows["chosen"] == "steady" and chosen == {"crd": "crd:tuned=--crd-beta 2"}
+
+
+def test_choose_needs_two_seeds():
+    report = sweep(np.random.default_rng(12), {"default": (0.0, 0.01), "b": (0.1, 0.01)},
+                   seeds=(4,))
+    message = "choose.py: error: the sweep ran one seed (--seeds 4): the rule's interval needs two"
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        choose.choose(report)
