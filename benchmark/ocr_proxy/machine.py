@@ -68,6 +68,9 @@ class Usage:
         self.busy_ticks = machine_busy_ticks()
         self.gpu, self.memory, self.load, self.threads = [], [], [], {g: [] for g in groups}
         self.cpu_s = {group: {} for group in groups}  # {group: {pid: its latest CPU seconds}}
+        # what the processes already alive had used: counted from now
+        self.cpu_before = {pid: process_cpu_and_threads(pid)[0]
+                           for pids in groups.values() for pid in pids()}
 
     def sample(self) -> None:
         gpu = gpu_busy_and_memory()
@@ -80,7 +83,7 @@ class Usage:
             for pid in pids():
                 cpu_s, count = process_cpu_and_threads(pid)
                 if count:
-                    self.cpu_s[group][pid] = cpu_s
+                    self.cpu_s[group][pid] = cpu_s - self.cpu_before.get(pid, 0.0)
                 threads += count
             self.threads[group].append(threads)
 
