@@ -164,6 +164,15 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
     # the control's per-prompt scores are its PP-OCR judge's, the reward's are the pool's: the same at the base
     assert report["runs"]["crd_klonly_seed3"]["per_prompt"]["0"] == report["runs"]["crd_seed3"]["per_prompt"]["0"]
     assert report["usage"]["trainers_cpu_s"] > 0 and report["usage"]["ocr_pool_threads_median"] >= 1
+    # guidance.py scores the same checkpoints at more CFG scales: at the driver's protocols, the driver's scores
+    from benchmark.ocr_proxy import guidance
+
+    scales = guidance.main(guidance.Options(out=str(out), seeds=[3], guidances=[4.5, 1.0], ocr_workers=0))
+    assert set(scales) == {"base", "crd_seed3", "nft_seed3"}
+    for name in scales:
+        for protocol in ("cfg1_2steps", "cfg4.5_2steps"):
+            assert scales[name]["per_prompt"][protocol] == report["final_scores"][name]["per_prompt"][protocol]
+    assert json.loads((out / "guidance.json").read_text())["scores"]["crd_seed3"]["policy_cfg4.5_2steps"] >= 0
     # the driver's scoring of the last checkpoint reproduces the trainer's last validation (same sampler, seeds, words)
     assert report["final_scores"]["crd_seed3"]["cfg1_2steps"] == pytest.approx(report["runs"]["crd_seed3"]["eval"][-1][1])
     assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "per_prompt"}
