@@ -79,6 +79,15 @@ MODEL_NAME = "pp-ocr"  # what GET /v1/models lists: the trainers' --reward-model
 BLIND_MODEL_NAME = "pp-ocr-blind"  # served too: reads no text, so every image scores 0 and every advantage is 0
 
 
+class PoolServer(ThreadingHTTPServer):
+    """The pool's HTTP server, a thread a request. Each trainer opens a connection an image, all of
+    an iteration's at once (nine runs: 432): with socketserver's listen backlog of 5 the kernel
+    drops most of them, and each dropped one waits a second for its SYN to be sent again."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 @contextmanager
 def serve(pool: OcrPool):
     """POST /v1/chat/completions on 127.0.0.1 (a free port), answered with the PP-OCR read of the request's image,
@@ -111,8 +120,7 @@ def serve(pool: OcrPool):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    server = PoolServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
