@@ -26,7 +26,9 @@ snapshot adapters never freeze (CRD_SNAPSHOTS), like DGPO's. Outputs in --out:
     compare_[{variant}_]seed{S}.md     `bash run.sh compare` of the algorithms' runs
     grid_{run}_{first,last}_iteration{N}.png   the validation grids at the first and last validation
     benchmark.json               base scores, per-run results, the base's and each run's last checkpoint's held-out
-                                 PP-OCR at every protocol (pool scorer), and the wall time of each phase
+                                 PP-OCR at every protocol (pool scorer), each with every word's score (per_prompt,
+                                 in eval_words' order: compare.py's input), the wall time of each phase and what
+                                 the runs used of the machine (usage)
 
 The held-out validation uses the pretraining's validation protocol (`--pretrain.validation-guidance`, default CFG 1,
 and `--pretrain.validation-steps`, 40): the policy is trained to sample without guidance (CFG-1 rollouts), and
@@ -122,8 +124,8 @@ class Args:
     ocr_workers: int = 0
     """PP-OCR engines of the pool (0: half the cores)"""
     trainer_threads: int = 1
-    """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): the
-    trainers' CPU work is small, and many trainers with a thread per core each crowd the OCR pool"""
+    """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): a
+    15.5M-parameter model's CPU work is kernel launches, and many trainers share the cores"""
     mps: bool = False
     """run the trainers through NVIDIA's MPS daemon, so that their kernels share the GPU at once
     rather than by turns"""
@@ -336,7 +338,7 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
 
 
 def progress(runs: Path, jobs: list[tuple[str, str, int]], iterations: int) -> str:
-    """'iterations 40-45 of 225, 30 runs going' from the progress bars in the runs' logs."""
+    """'iterations 40-45 of 225 (30 of 30 runs started)', from the progress bars in the runs' logs."""
     reached = []
     for job in jobs:
         log = runs / f"{run_name(*job)}.log"
