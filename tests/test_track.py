@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from test_trainers import ROOT, TINY_RUN
 
 BLOCK_WANDB = """import sys
@@ -43,6 +45,7 @@ def test_track_logs_the_run_offline_with_its_tensorboard_scalars(tiny_model_dir,
     """The offline W&B run is the run directory's (its id in wandb_run_id), holds the run's
     TensorBoard file and its scalars, and its config names the run; the W&B server address, a
     real socket here, is never connected to."""
+    pytest.importorskip("wandb", reason="the optional requirements-track.txt (CI installs it)")
     listener = socket.create_server(("127.0.0.1", 0))
     connections = []
     threading.Thread(target=lambda: connections.append(listener.accept()), daemon=True).start()
