@@ -134,13 +134,13 @@ def same_file(output: Path, file: Path) -> bool:
 
 
 def convert(inputs: list[str | Path], output_dir: str | Path,
-            skip_untargeted: bool = False) -> dict[str, tuple[int, int]]:
+            skip_untargeted: bool = False, overwrite: bool = False) -> dict[str, tuple[int, int]]:
     """Convert prompt files to output_dir/{name}.jsonl; returns {name: (written, skipped)}.
 
     Each input is a .txt, .jsonl or .json file (name: its stem) or a folder holding Flow-GRPO's
     train.txt and test.txt. A JSON Lines record keeps its fields besides "prompt" and "target".
-    Every input is read and checked, and no output may be an input, before anything is written;
-    each output is written whole or not at all.
+    Every input is read and checked, and no output may be an input or (without overwrite) an
+    existing file, before anything is written; each output is written whole or not at all.
     """
     files = []
     for path in map(Path, inputs):
@@ -159,6 +159,9 @@ def convert(inputs: list[str | Path], output_dir: str | Path,
             if same_file(output, file):
                 raise DataError(f"{output} is the input {file}: converting would replace it; "
                                 "choose another --output-dir")
+        if not overwrite and (output.exists() or output.is_symlink()):
+            raise DataError(f"{output} already exists: converting would replace it; pass "
+                            "--overwrite, or choose another --output-dir")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -228,9 +231,11 @@ if __name__ == "__main__":
                         help="where {name}.jsonl is written for each input file")
     parser.add_argument("--skip-untargeted", action="store_true",
                         help="skip (and count) lines with no quoted target or an empty one")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace {name}.jsonl files that already exist in --output-dir")
     cli = parser.parse_args()
     try:
-        counts = convert(cli.input, cli.output_dir, cli.skip_untargeted)
+        counts = convert(cli.input, cli.output_dir, cli.skip_untargeted, cli.overwrite)
         for name, (written, skipped) in counts.items():
             note = f", {skipped} lines without a quoted target skipped" if skipped else ""
             print(f"{name}: {written} prompts written{note}")

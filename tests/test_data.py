@@ -57,6 +57,19 @@ def test_missing_file_is_named(tmp_path):
         convert([tmp_path], tmp_path / "out")
 
 
+def test_an_existing_output_is_never_replaced_without_overwrite(tmp_path):
+    """data.py --input dir/mine.txt --output-dir dir: dir/mine.jsonl, the user's own file (extra fields and all), is
+    refused in one line and kept byte for byte; --overwrite replaces it."""
+    write(tmp_path / "mine.txt", 'A sign "One"\n')
+    mine = write(tmp_path / "mine.jsonl", '{"prompt": "A sign \\"Two\\"", "note": "my own"}\n')
+    before = mine.read_bytes()
+    result = data_cli("--input", tmp_path / "mine.txt", "--output-dir", tmp_path)
+    assert_one_line_error(result, f"{mine} already exists: converting would replace it; pass --overwrite")
+    assert mine.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
+    assert data_cli("--input", tmp_path / "mine.txt", "--output-dir", tmp_path, "--overwrite").returncode == 0
+    assert json.loads(mine.read_text()) == {"prompt": 'A sign "One"', "target": "One"}
+
+
 def test_bad_jsonl_line_is_named(tmp_path):
     path = write(tmp_path / "p.jsonl", '{"prompt": "a \\"b\\""}\n{"text": 1}\n')
     with pytest.raises(DataError, match=r"p\.jsonl:2"):
@@ -147,7 +160,8 @@ def test_convert_single_files(tmp_path):
     write(tmp_path / "a.txt", 'A sign "One"\n')
     write(tmp_path / "b.jsonl", '{"prompt": "A sign", "target": "Two"}\n')
     assert convert([tmp_path / "a.txt"], tmp_path / "out") == {"a": (1, 0)}
-    result = data_cli("--input", tmp_path / "a.txt", tmp_path / "b.jsonl", "--output-dir", tmp_path / "out")
+    result = data_cli("--input", tmp_path / "a.txt", tmp_path / "b.jsonl", "--output-dir", tmp_path / "out",
+                      "--overwrite")  # out/a.jsonl: the line above's
     assert result.returncode == 0 and "a: 1 prompts written" in result.stdout and "b: 1 prompts written" in result.stdout
     assert json.loads((tmp_path / "out" / "b.jsonl").read_text()) == {"prompt": "A sign", "target": "Two"}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.jsonl", "b.jsonl"]  # no temporary file left
