@@ -310,3 +310,16 @@ def test_choose_needs_two_seeds():
     message = "choose.py: error: the sweep ran one seed (--seeds 4): the rule's interval needs two"
     with pytest.raises(SystemExit, match=re.escape(message)):
         choose.choose(report)
+
+
+def test_results_md_shows_the_table_compare_prints_for_the_five_seed_result():
+    """RESULTS.md's intervals are compare.py's on the committed result file, row for row."""
+    root = COMPARE.parents[2]
+    result = root / "benchmark" / "results" / "ocr_proxy_three_way_5seeds_h200.json"
+    printed = subprocess.run([sys.executable, str(COMPARE), str(result)], capture_output=True,
+                             text=True, check=True).stdout
+    validation = printed.split("### validation at iteration 225")[1].split("###")[0]
+    rows = [line for line in validation.splitlines() if line.startswith("| ")]
+    assert len(ROW.findall(validation)) == 3 and len(rows) == 8  # 3 groups, 3 pairs, 2 headers
+    shown = (root / "benchmark" / "RESULTS.md").read_text()
+    assert [row for row in rows if row not in shown] == []
