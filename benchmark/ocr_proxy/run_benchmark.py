@@ -122,7 +122,7 @@ class Args:
     """pool: the trainers' `--reward vllm` client reads PP-OCR from a local server backed by a pool of engines (the
     same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
     ocr_workers: int = 0
-    """PP-OCR engines of the pool (0: three fifths of the cores, the reads' share of the runs' CPU)"""
+    """PP-OCR engines of the pool (0: three fifths of the cores, the reads' share of the CPU)"""
     trainer_threads: int = 1
     """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): a
     15.5M-parameter model's CPU work is kernel launches, and many trainers share the cores"""
@@ -442,7 +442,8 @@ def main(args: Args) -> dict:
     started = benchmark_started = time.perf_counter()
     arguments, jobs = plan(args)
     cores = sorted(os.sched_getaffinity(0))
-    pool = OcrPool(args.ocr_workers or max(1, round(len(cores) * 3 / 5))) if args.scorer == "pool" else None
+    workers = args.ocr_workers or max(1, round(len(cores) * 3 / 5))
+    pool = OcrPool(workers) if args.scorer == "pool" else None
     model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
     report["phases_s"]["pretrain"] = time.perf_counter() - started
     proxy = json.loads((model / "proxy.json").read_text())
