@@ -218,6 +218,7 @@ def ema_decay(step, start, initial, slope, maximum):
 
 
 ROLLOUT_ADAPTER = "sampling"  # CRD samples with an EMA of its own, decoupled from the old adapter
+VALIDATION_ADAPTER = "sampling"  # CRD validates the EMA it samples with, a smoothed policy
 OLD_MOVES_EVERY_STEP = False  # CRD's snapshots move once an iteration, after its optimizer steps
 
 
@@ -318,7 +319,7 @@ if __name__ == "__main__":
         pipe = load_pipeline(args.model, device, run.dtype, resolution=args.resolution,
                              text_encoder_device=args.text_encoder_device or None)
         negative = negative_embeddings(pipe, args.max_sequence_length)  # the empty prompt's
-        validation = Validation(pipe, eval_set, args, scorer, negative, run)
+        validation = Validation(pipe, eval_set, args, scorer, negative, run, VALIDATION_ADAPTER)
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)  # policy, old, sampling
     if args.gradient_checkpointing:

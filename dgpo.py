@@ -217,6 +217,7 @@ def ema_decay(step, slope, maximum):
 
 
 ROLLOUT_ADAPTER = "sampling"  # DGPO samples with the policy, later the old adapter (below)
+VALIDATION_ADAPTER = "sampling"  # DGPO validates what it samples with: the policy, then old
 OLD_MOVES_EVERY_STEP = True  # DGPO's old adapter moves after each optimizer step
 
 
@@ -317,7 +318,7 @@ if __name__ == "__main__":
         pipe = load_pipeline(args.model, device, run.dtype, resolution=args.resolution,
                              text_encoder_device=args.text_encoder_device or None)
         negative = negative_embeddings(pipe, args.max_sequence_length)  # the empty prompt's
-        validation = Validation(pipe, eval_set, args, scorer, negative, run)
+        validation = Validation(pipe, eval_set, args, scorer, negative, run, VALIDATION_ADAPTER)
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)  # policy, old, sampling
     if args.gradient_checkpointing:

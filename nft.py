@@ -225,6 +225,7 @@ def eval_ema_decay(steps, maximum):
 
 
 ROLLOUT_ADAPTER = "old"  # DiffusionNFT samples with its old adapter, the one its loss pairs with
+VALIDATION_ADAPTER = "sampling"  # DiffusionNFT validates a second EMA of the policy, as its authors
 OLD_MOVES_EVERY_STEP = False  # the old adapter moves once an iteration, after its optimizer steps
 
 
@@ -320,7 +321,7 @@ if __name__ == "__main__":
         pipe = load_pipeline(args.model, device, run.dtype, resolution=args.resolution,
                              text_encoder_device=args.text_encoder_device or None)
         negative = negative_embeddings(pipe, args.max_sequence_length)  # the empty prompt's
-        validation = Validation(pipe, eval_set, args, scorer, negative, run)
+        validation = Validation(pipe, eval_set, args, scorer, negative, run, VALIDATION_ADAPTER)
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)  # policy, old, sampling
     if args.gradient_checkpointing:
