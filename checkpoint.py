@@ -121,6 +121,8 @@ STATE_FIELDS = {
     "world_size": (lambda v: whole(v, 1), "a whole number >= 1"),
     "algorithm": (lambda v: type(v) is str, "a string"),
     "data_sha256": (lambda v: type(v) is dict and all(type(h) is str for h in v.values()), "an object of strings"),
+    # absent from checkpoints written before it was recorded: evaluate.py then scores "sampling"
+    "validation_adapter": (lambda v: v is None or type(v) is str, "an adapter's name"),
 }
 
 
@@ -613,10 +615,12 @@ def load_checkpoint(path, transformer, optimizer, device):
     return read_checkpoint_state(path)
 
 
-def start_state(args, transformer, optimizer, sampler, device, world_size, algorithm, prompt_sha256):
+def start_state(args, transformer, optimizer, sampler, device, world_size, algorithm, prompt_sha256,
+                validation_adapter=None):
     """The run's state (what trainer_state.json holds) at this start: a new run's, or --resume-from's, whose
     checkpoint also restores the adapters, the optimizer and the sampler (else a RunError names what is wrong).
-    `prompt_sha256`: prompt_files_sha256 of the prompt files when the trainer read them, what every save records."""
+    `prompt_sha256`: prompt_files_sha256 of the prompt files when the trainer read them, what every save records;
+    `validation_adapter`: the adapter the trainer validates with, what evaluate.py scores by default."""
     state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [],
              "peak_mem_gib": {}}
     if args.resume_from:
@@ -624,7 +628,8 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
         sampler.load_state_dict(state["sampler"])
     check_same_start(state["iteration"], args, device, world_size)
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
-    state.update(sampler=sampler.state_dict(), args=record_args(args), world_size=world_size, algorithm=algorithm)
+    state.update(sampler=sampler.state_dict(), args=record_args(args), world_size=world_size, algorithm=algorithm,
+                 validation_adapter=validation_adapter)
     state["data_sha256"] = prompt_sha256  # a file edited later in the run is then a change that a resume refuses
     return state
 

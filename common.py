@@ -649,8 +649,9 @@ def keep_eval_scores_until(run_dir, iteration):
 
 
 class Validation:
-    """The held-out prompts rendered by the sampling adapter (image i from seed eval_seed + i) at
-    --eval-guidance, on the main process; the scorer and each --eval-judge (in a thread of its own)
+    """The held-out prompts rendered by `adapter`, the one the trainer names (image i from seed
+    eval_seed + i) at --eval-guidance, on the main process; the run's checkpoints record it, and
+    evaluate.py scores it by default. The scorer and each --eval-judge (in a thread of its own)
     read each chunk of images while the next one samples. Logs the reward (a mix's weighted sum,
     and each component as eval/reward_<name>), each judge (judge_tag), a captioned grid, the
     transcriptions and the time it took, and appends every prompt's scores to EVAL_SCORES. A
@@ -659,8 +660,10 @@ class Validation:
     second opinion lost, not the run: one warning line names it and its error, the run goes on
     without it (no eval/<judge> from then on) and summary.json's failed_judges says why."""
 
-    def __init__(self, pipe, eval_set, args, scorer, negative, run):
+    def __init__(self, pipe, eval_set, args, scorer, negative, run, adapter):
         self.pipe = pipe
+        self.adapter = adapter
+        run.validation_adapter = adapter  # checkpoints record it: evaluate.py's default --adapter
         self.args = args
         self.scorer = scorer
         self.negative = negative
@@ -692,7 +695,7 @@ class Validation:
         self.run.phase = f"the validation after iteration {iteration}"
         embeds, pooled = encode_prompts(self.pipe, self.prompts, args.max_sequence_length)
         seeds = [args.eval_seed + i for i in range(len(self.prompts))]
-        with use_adapter(self.pipe.transformer, "sampling"), self.run.autocast:
+        with use_adapter(self.pipe.transformer, self.adapter), self.run.autocast:
             samples = sample(self.pipe, embeds, pooled, seeds, args.eval_steps, args.eval_guidance,
                              args.resolution, args.resolution, args.forward_batch_size,
                              negative_embeds=self.negative[0], negative_pooled=self.negative[1],
@@ -701,7 +704,8 @@ class Validation:
         if bad := int((~samples["finite"]).sum()):
             self.run.warn("validation images were NaN or inf", self.run.phase,
                           f"{bad} of {len(images)} validation images are NaN or inf (a diverged "
-                          "sampling adapter?): they decode black and are scored as black images")
+                          f"{self.adapter} adapter?): they decode black and are scored as black "
+                          "images")
         components, texts = self.scorer.take()
         scores = image_rewards(components, self.weights)
         writer.add_scalar("eval/reward_mean", float(np.mean(scores)), iteration)
@@ -851,6 +855,7 @@ class Run:
         self.warned = {}  # {what: (where it was first, how often)} (warn)
         self.reward_weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
         self.failed_judges = {}  # {judge: why}, of this start (Validation)
+        self.validation_adapter = None  # the adapter Validation samples: checkpoints record it
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
                                   self.keep_after_out_of_memory)
 
@@ -880,7 +885,7 @@ class Run:
             fail(error)
         try:
             state = start_state(args, transformer, optimizer, sampler, self.device, self.world_size,
-                                self.algorithm, self.prompt_sha256)
+                                self.algorithm, self.prompt_sha256, self.validation_adapter)
         except RunError as error:
             fail(error)
         if self.main_process:

@@ -1,6 +1,6 @@
 """Score SD3.5 on the held-out OCR prompts: the base model, an adapter of a trainer checkpoint, or a diffusers LoRA.
 
-    python evaluate.py --checkpoint runs/crd/<run>/global_step_100        # its sampling adapter, as validated
+    python evaluate.py --checkpoint runs/crd/<run>/global_step_100        # the adapter its run validated
     python evaluate.py --checkpoint runs/crd/<run>/global_step_100 --adapter policy --num-prompts 128
     python evaluate.py --lora runs/crd/<run>/global_step_100/policy_lora  # any diffusers-format SD3 LoRA
     python evaluate.py                                                    # the base model
@@ -11,9 +11,10 @@ Results go to {output_dir}/{name}/: results.jsonl, one line per prompt appended 
 run at any time, Ctrl-C or kill, and run the same command to continue without rescoring what is done);
 results.json, with every prompt's target, transcriptions and scores, the means with their standard errors and the
 settings; grid.png, the first images with their scores.
-A --checkpoint is scored by default as its run validated: its seed, steps, CFG, resolution and T5
-tokens (--seed, --num-steps, --guidance, --resolution, --max-sequence-length override them). One
-process at a time writes a results directory (it holds evaluate.lock there).
+A --checkpoint is scored by default as its run validated: the adapter the trainer names (its
+VALIDATION_ADAPTER, which trainer_state.json records) at its seed, steps, CFG, resolution and T5
+tokens (--adapter, --seed, --num-steps, --guidance, --resolution, --max-sequence-length override
+them). One process at a time writes a results directory (it holds evaluate.lock there).
 """
 
 import fcntl
@@ -69,8 +70,9 @@ class Args:
     # What is evaluated (neither --checkpoint nor --lora: the base model)
     checkpoint: str = ""
     """a global_step_N directory of crd.py or dgpo.py (its LoRA rank, alpha and model are read from trainer_state.json)"""
-    adapter: str = "sampling"
-    """adapter of --checkpoint: sampling (what the trainers roll out and validate with), policy or old"""
+    adapter: Annotated[str | None, tyro.conf.arg(
+        metavar="NAME", help_behavior_hint="(default: the one --checkpoint's run validated, else sampling)")] = None
+    """adapter of --checkpoint: policy, old or sampling"""
     lora: str = ""
     """a diffusers-format SD3 LoRA directory (what StableDiffusion3Pipeline.load_lora_weights reads): e.g. policy_lora/"""
     lora_rank: int = 32
@@ -168,17 +170,28 @@ def check_args(args):
 
 def take_protocol(args):
     """Fill the protocol flags not given (None): from --checkpoint's run, as it validated (its
-    trainer_state.json's Args), else with the recipe's values. Returns {flag: value} of those taken
-    from the checkpoint."""
-    trained = {}
+    trainer_state.json's Args, and its validation_adapter for --adapter), else with the recipe's
+    values ("sampling": a checkpoint that records no adapter validated with it). Returns {flag: value}
+    of those taken from the checkpoint."""
+    state = {}
     if args.checkpoint:
         try:
-            trained = json.loads((Path(args.checkpoint) / "trainer_state.json").read_text())["args"]
-        except (OSError, ValueError, KeyError, TypeError):  # read_checkpoint names what is wrong
-            trained = {}
+            state = json.loads((Path(args.checkpoint) / "trainer_state.json").read_text())
+        except (OSError, ValueError):  # read_checkpoint names what is wrong
+            state = {}
+    if not isinstance(state, dict):
+        state = {}
+    trained = state.get("args")
     if not isinstance(trained, dict):
         trained = {}
     taken = {}
+    if args.adapter is None:
+        args.adapter = state.get("validation_adapter") or "sampling"
+        if type(args.adapter) is not str:  # a hand-edited file
+            fail(f"--checkpoint {args.checkpoint}: its trainer_state.json records validation_adapter "
+                 f"{args.adapter!r}, not an adapter's name; pass --adapter")
+        if state.get("validation_adapter"):
+            taken["--adapter"] = args.adapter
     for name, (trained_name, recipe) in PROTOCOL.items():
         if getattr(args, name) is not None:
             continue
@@ -403,7 +416,8 @@ if __name__ == "__main__":
         fail(f"{results_path}: {error.strerror or error}")
     todo = [i for i in range(len(prompts)) if i not in done]
     if from_checkpoint:
-        taken = ", ".join(f"{flag} {value:g}" for flag, value in from_checkpoint.items())
+        taken = ", ".join(f"{flag} {value if type(value) is str else format(value, 'g')}"
+                          for flag, value in from_checkpoint.items())
         print(f"the validation protocol of {args.checkpoint}'s run: {taken}", flush=True)
     print(f"{out}: {len(prompts) - len(todo)} of {len(prompts)} prompts already scored", flush=True)
 

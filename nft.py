@@ -225,6 +225,8 @@ def eval_ema_decay(steps, maximum):
 
 
 ROLLOUT_ADAPTER = "old"  # DiffusionNFT samples with its old adapter, the one its loss pairs with
+VALIDATION_ADAPTER = "sampling"  # DiffusionNFT validates a second EMA of the policy, as its authors
+OLD_ADAPTER = "old"  # what the loss compares the policy with: a snapshot the schedule moves
 OLD_MOVES_EVERY_STEP = False  # the old adapter moves once an iteration, after its optimizer steps
 
 
@@ -320,7 +322,7 @@ if __name__ == "__main__":
         pipe = load_pipeline(args.model, device, run.dtype, resolution=args.resolution,
                              text_encoder_device=args.text_encoder_device or None)
         negative = negative_embeddings(pipe, args.max_sequence_length)  # the empty prompt's
-        validation = Validation(pipe, eval_set, args, scorer, negative, run)
+        validation = Validation(pipe, eval_set, args, scorer, negative, run, VALIDATION_ADAPTER)
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)  # policy, old, sampling
     if args.gradient_checkpointing:
@@ -359,7 +361,7 @@ if __name__ == "__main__":
         with torch.no_grad(), run.autocast:
             with use_adapter(transformer, None):
                 v_ref = rows.velocity(transformer, embeds, pooled, args, args.kl_cfg, negative)
-            with use_adapter(transformer, "old"):
+            with use_adapter(transformer, OLD_ADAPTER):
                 v_old = rows[:old_fixed].velocity(transformer, embeds, pooled, args)
         v_old = list(v_old.split(micro_rows))  # one tensor per micro batch
         timer.lap("train_s")
@@ -377,7 +379,7 @@ if __name__ == "__main__":
             batch = rows[m * micro_rows : (m + 1) * micro_rows]
             ref = v_ref[m * micro_rows : (m + 1) * micro_rows]
             if m == len(v_old):  # the old adapter moved after the last optimizer step
-                with torch.no_grad(), run.autocast, use_adapter(transformer, "old"):
+                with torch.no_grad(), run.autocast, use_adapter(transformer, OLD_ADAPTER):
                     v_old.append(batch.velocity(transformer, embeds, pooled, args, wait=False))
             for span in batch.policy_chunks(args):  # a few timesteps a forward and backward
                 chunk = batch[span]

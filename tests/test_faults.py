@@ -124,6 +124,34 @@ def test_protocol_flags_override_the_checkpoints_and_help_says_where_defaults_co
                          rf"{re.escape(recipe)}\)", text), flag
 
 
+def test_evaluate_scores_the_adapter_the_checkpoint_records_unless_adapter_is_given(
+        tmp_path, capsys, monkeypatch):
+    """The adapter a checkpoint's run validated with (trainer_state.json's validation_adapter) is
+    the default; --adapter wins; a checkpoint written before the record is scored with sampling,
+    as then; a record that is not a name is one line."""
+    state = {"args": {"resolution": 64}, "validation_adapter": "policy"}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    recorded = tyro.cli(evaluate.Args, args=["--checkpoint", str(tmp_path)])
+    assert evaluate.take_protocol(recorded) == {"--adapter": "policy", "--resolution": 64}
+    assert recorded.adapter == "policy"
+    given = tyro.cli(evaluate.Args, args=["--checkpoint", str(tmp_path), "--adapter", "old"])
+    assert evaluate.take_protocol(given) == {"--resolution": 64} and given.adapter == "old"
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"args": {"resolution": 64}}))
+    old = tyro.cli(evaluate.Args, args=["--checkpoint", str(tmp_path)])
+    assert evaluate.take_protocol(old) == {"--resolution": 64} and old.adapter == "sampling"
+    (tmp_path / "trainer_state.json").write_text(json.dumps({**state, "validation_adapter": 5}))
+    with pytest.raises(SystemExit, match=re.escape(
+            f"--checkpoint {tmp_path}: its trainer_state.json records validation_adapter 5, not an "
+            "adapter's name; pass --adapter")):
+        evaluate.check_args(evaluate.Args(checkpoint=str(tmp_path)))
+    monkeypatch.setenv("COLUMNS", "200")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        tyro.cli(evaluate.Args, args=["--help"])
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "(default: the one --checkpoint's run validated, else sampling)" in text
+
+
 def test_a_full_disk_at_evaluates_grid_is_one_line_naming_it(demo, tiny_model_dir, tmp_path):
     """The same command again (every prompt scored) rewrites results.json and grid.png; the kernel
     refuses the grid's writes: one line naming grid.png, exit 1, results.jsonl intact, no cut

@@ -1,6 +1,8 @@
-"""The worked example of docs/fork.md, applied as a researcher would: copy crd.py, replace the end
-of crd_loss with the example's lines, and train one iteration of the fork on the tiny model."""
+"""docs/fork.md's forks, applied as a researcher would: copy crd.py, replace the end of crd_loss
+with the worked example's lines (or its module-level names with the on-policy fork's), and train
+the fork on the tiny model."""
 
+import ast
 import json
 import os
 import re
@@ -8,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tensorboard_logs import scalars
@@ -23,6 +26,21 @@ def forked_crd(page, crd):
     start = crd.index('    groups_r = rearrange(implicit_reward, "(g i) -> g i", i=group_size)\n')
     end = crd.index("\n", crd.index("    return policy_loss + kl_loss", start)) + 1
     return crd[:start] + example + crd[end:]
+
+
+def module_level_fork(page, crd, heading):
+    """crd.py with each module-level name and function that the python block under `heading` of
+    docs/fork.md defines in place of crd.py's own (a name crd.py lacks: KeyError); nothing else."""
+    section = page[page.index(heading):]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    name = lambda node: node.name if isinstance(node, ast.FunctionDef) else node.targets[0].id
+    ours = {name(node): node for node in ast.parse(crd).body
+            if isinstance(node, (ast.FunctionDef, ast.Assign))}
+    lines, replacements = crd.splitlines(keepends=True), block.splitlines(keepends=True)
+    for node in sorted(ast.parse(block).body, key=lambda n: -ours[name(n)].lineno):  # bottom up
+        old = ours[name(node)]
+        lines[old.lineno - 1 : old.end_lineno] = replacements[node.lineno - 1 : node.end_lineno]
+    return "".join(lines)
 
 
 def test_the_docs_fork_example_trains(tiny_model_dir, tmp_path):
@@ -46,3 +64,43 @@ def test_the_docs_fork_example_trains(tiny_model_dir, tmp_path):
     tags = events.Tags()["scalars"]
     assert "losses/kl_loss" in tags and "losses/implicit_reward_std" not in tags  # the fork's info
     assert scalars(run, "losses/kl_loss")[1] > 0 and scalars(run, "losses/policy_loss")[1] > 0
+
+
+def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tmp_path):
+    """docs/fork.md's on-policy fork changes module-level names alone (the loop is crd.py's): its
+    validation samples the policy, whose scores move from the base's as it trains, its checkpoint
+    records that adapter, and evaluate.py scores it by default, reproducing the validation."""
+    crd = (ROOT / "crd.py").read_text()
+    fork = module_level_fork((ROOT / "docs" / "fork.md").read_text(), crd, "## An on-policy fork")
+    assert 'VALIDATION_ADAPTER = "policy"' in fork and 'OLD_ADAPTER = "policy"' in fork
+    assert fork[fork.index('if __name__ == "__main__":'):] == crd[crd.index('if __name__ == "__main__":'):]
+    script = tmp_path / "onpolicy.py"
+    script.write_text(fork)
+    cmd = [sys.executable, str(script), "--model", "tiny", "--reward", "brightness", "--device",
+           "cpu", "--train-data", str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"),
+           "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
+           "--learning-rate", "3e-3", "--num-iterations", "2", "--eval-every", "2",
+           "--eval-prompts", "4", "--eval-steps", "4", "--eval-judge", "none", "--save-every", "2",
+           "--max-sequence-length", "96", "--output-dir", str(tmp_path / "runs"), "--run-name", "fork"]
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "fork"
+    evals = {line["iteration"]: line["reward"]
+             for line in map(json.loads, (run / "eval_scores.jsonl").read_text().splitlines())}
+    assert sorted(evals) == [0, 2]
+    assert all(before != after for before, after in zip(evals[0], evals[2])), evals  # it moved
+    state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
+    assert state["validation_adapter"] == "policy"
+
+    cmd = [sys.executable, str(ROOT / "evaluate.py"), "--checkpoint", str(run / "global_step_2"),
+           "--eval-data", str(DATA / "test.txt"), "--num-prompts", "4", "--reward", "brightness",
+           "--judge", "none", "--device", "cpu", "--output-dir", str(tmp_path / "evals")]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--adapter policy" in result.stdout  # the validation protocol it took from the checkpoint
+    (evaluated,) = (tmp_path / "evals").glob("*/results.json")
+    evaluated = json.loads(evaluated.read_text())
+    assert evaluated["settings"]["adapter"] == "policy"
+    scores = [record["score"] for record in evaluated["prompts"]]
+    assert scores == pytest.approx(evals[2], rel=1e-6)

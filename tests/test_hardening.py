@@ -227,6 +227,7 @@ def edit_state(step, **fields):
     ("peak_mem_gib", 3.5, "an object of numbers"),
     ("eval", [[0, 0.5]], "a list of [iteration, reward, judge's mean or null(, {judge: mean})] entries"),
     ("data_sha256", None, "an object of strings"),
+    ("validation_adapter", 5, "an adapter's name"),  # absent (a checkpoint from before it): resumes
 ])
 def test_a_damaged_trainer_state_field_is_named_before_the_model_loads(field, value, must_be, lora_transformer,
                                                                          tmp_path):
