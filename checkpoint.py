@@ -374,6 +374,7 @@ def claim_run_directory(run_dir, resuming, overwrite, created=False):
     lock.write(str(os.getpid()))
     lock.flush()
     if created:
+        MADE_BY_THIS_START.append((run_dir, lock))
         atexit.register(remove_if_unused, run_dir, lock)
     for path in held_run(run_dir, resuming, overwrite):  # --overwrite
         if path.is_dir():
@@ -383,6 +384,16 @@ def claim_run_directory(run_dir, resuming, overwrite, created=False):
     for partial in run_dir.glob(".global_step_*"):  # we hold the lock: no live process is writing these
         shutil.rmtree(partial, ignore_errors=True)
     return lock
+
+
+MADE_BY_THIS_START = []  # [(run directory, its lock)] that claim_run_directory made
+
+
+def remove_unused_run_directories():
+    """remove_if_unused of each run directory this start made, as at exit: for an exit by
+    os._exit (a distributed one), which skips atexit."""
+    for run_dir, lock in MADE_BY_THIS_START:
+        remove_if_unused(run_dir, lock)
 
 
 def remove_if_unused(run_dir, lock):
