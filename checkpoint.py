@@ -192,7 +192,8 @@ def prepare_run(args, algorithm, world_size, main_process):
     """Before any model loads: the run directory, checked and (main process) locked, with a resume's checkpoint checked
     (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
     the checkpoint's. Returns (run directory, lock file to keep open or None)."""
-    check_run_name(args.run_name)  # first: resolve_latest reads it
+    check_directory_name("--run-name", args.run_name, "{run_name}")  # resolve_latest reads it
+    check_directory_name("--exp-name", args.exp_name, "{exp_name}__{reward}__{seed}__{unix time}")
     latest = args.resume_from == LATEST
     replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
@@ -242,14 +243,15 @@ def prepare_run(args, algorithm, world_size, main_process):
     return run_dir, claim_run_directory(run_dir, bool(args.resume_from), replace, created)
 
 
-def check_run_name(name):
-    """RunError unless a given --run-name is one path component: an absolute one, or one with
-    "/" or "..", would put the run outside --output-dir."""
+def check_directory_name(flag, name, run_name):
+    """RunError unless a given --run-name or --exp-name (`flag`) is one path component: an absolute
+    one, or one with "/" or "..", would put the run outside --output-dir, where the run directory
+    is {output_dir}/`run_name`."""
     if not name:  # not given: the default name
         return
     if not name.strip() or "/" in name or name in (".", ".."):
-        raise RunError(f"--run-name {name!r}: not a directory name (one path component, not "
-                       "\".\" or \"..\"); the run directory is {output_dir}/{run_name}")
+        raise RunError(f"{flag} {name!r}: not a directory name (one path component, not \".\" or "
+                       f"\"..\"); the run directory is {{output_dir}}/{run_name}")
 
 
 def unused_directory(parent, name, create):
