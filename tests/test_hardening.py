@@ -486,6 +486,10 @@ def test_an_ema_schedule_outside_0_1_is_named(trainer, flags, message):
     (crd, dict(kl_floor=0.5), "--kl-floor 0.5: must not exceed --kl-beta 0.1"),
     (dgpo, dict(beta_dpo=-1.0), "--beta-dpo -1: must be a finite number > 0"),
     (dgpo, dict(clip_range=-0.1), "--clip-range -0.1: must be a finite number >= 0"),
+    (crd, dict(reward="brightness flat=1e308"), "--reward: reward mix item 'flat=1e308': the "
+     "weight 1e+308 is outside float32's range"),
+    (dgpo, dict(reward="brightness=1e-50"), "--reward: reward mix item 'brightness=1e-50': the "
+     "weight 1e-50 is outside float32's range"),
 ])
 def test_a_setting_out_of_its_range_is_named(trainer, flags, message):
     trainer.check_args(trainer.Args(train_batch_size=6))
