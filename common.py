@@ -74,6 +74,17 @@ def check_numbers(args, bounds):
             fail(f"--{flag.replace('_', '-')} {value:g}: must be a finite number {op} {bound:g}")
 
 
+def check_finite(args):
+    """One line for a flag of real numbers (one, or several as --old-decay) holding NaN or inf,
+    which the range checks' comparisons would let through (any comparison with NaN is false)."""
+    for name, value in asdict(args).items():
+        numbers = value if isinstance(value, tuple) else (value,)
+        reals = [n for n in numbers if isinstance(n, float)]
+        if not all(map(math.isfinite, reals)):
+            shown_value = " ".join(f"{n:g}" for n in numbers)
+            fail(f"--{name.replace('_', '-')} {shown_value}: must be finite numbers")
+
+
 SMALLEST = {  # the least value of each whole-number flag
     "resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "lora_alpha": 1, "num_steps": 2,
     "train_batch_size": 1, "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0,
@@ -125,6 +136,7 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.track:
         check_tracking()
     check_algorithm_args(args)
+    check_finite(args)  # NaN or inf that the range checks let through: an EMA schedule's slope
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
