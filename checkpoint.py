@@ -696,9 +696,10 @@ def other_gpus_memory(actor_device, roles):
 
 def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by,
                   other_gpus, failed_judges=None):
-    """summary.json: whether the run did all its iterations (else what stopped it), validation rewards, iteration
-    times with the first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory.
-    failed_judges ({judge: why}: the judges this start went on without) only where one failed."""
+    """summary.json: whether the run did all its iterations and nothing stopped it (else what did,
+    `stopped_by`), validation rewards, iteration times with the first iteration of every start
+    (torch.compile's warm-up) reported apart from the mean, and peak memory. failed_judges
+    ({judge: why}: the judges this start went on without) only where one failed."""
     history = [entry for entry in state["eval"] if np.isfinite(entry[1])]  # NaN: its scorer failed (the run stopped)
     times = state["iteration_s"]
     warmups = set(state["start_iterations"])
@@ -708,8 +709,8 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
     judge = lambda entry: entry[2]  # the first --eval-judge on the same images, or None
     last = Path(run_dir) / f"global_step_{state['iteration']}"
     saved = not state["iteration"] or all((last / name).exists() for name in CHECKPOINT_FILES)
-    # a full disk may have lost the last checkpoint: then the run is not complete
-    completed = state["iteration"] >= args.num_iterations and saved
+    # a full disk may have lost the last checkpoint, an error stopped the last iteration: incomplete
+    completed = state["iteration"] >= args.num_iterations and saved and not stopped_by
     summary = {"algorithm": algorithm, "reward": args.reward, "completed": completed,
                "stopped_by": None if completed else stopped_by, "iterations": state["iteration"],
                "optimizer_steps": state["optimizer_steps"], "world_size": world_size,

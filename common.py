@@ -1098,7 +1098,10 @@ class Run:
         return f"the {part} of iteration {self.state['iteration'] + 1}"
 
     def write_summary(self):
-        summary = summary_of_state(self.dir, self.state, self.stopped_by, self.device,
+        # a signal after the last iteration cut nothing short; an error there (a diverged step) did
+        done = self.state["iteration"] >= self.args.num_iterations
+        stopped_by = None if self.stop_signal and done else self.stopped_by
+        summary = summary_of_state(self.dir, self.state, stopped_by, self.device,
                                    self.failed_judges)
         self.writer.close()
         return summary
