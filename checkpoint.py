@@ -194,7 +194,8 @@ def prepare_run(args, algorithm, world_size, main_process):
     """Before any model loads: the run directory, checked and (main process) locked, with a resume's checkpoint checked
     (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
     the checkpoint's. Returns (run directory, lock file to keep open or None)."""
-    check_run_name(args.run_name)  # first: resolve_latest reads it
+    check_directory_name("--run-name", args.run_name, "{run_name}")  # resolve_latest reads it
+    check_directory_name("--exp-name", args.exp_name, "{exp_name}__{reward}__{seed}__{unix time}")
     latest = args.resume_from == LATEST
     replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
@@ -244,14 +245,15 @@ def prepare_run(args, algorithm, world_size, main_process):
     return run_dir, claim_run_directory(run_dir, bool(args.resume_from), replace, created)
 
 
-def check_run_name(name):
-    """RunError unless a given --run-name is one path component: an absolute one, or one with
-    "/" or "..", would put the run outside --output-dir."""
+def check_directory_name(flag, name, run_name):
+    """RunError unless a given --run-name or --exp-name (`flag`) is one path component: an absolute
+    one, or one with "/" or "..", would put the run outside --output-dir, where the run directory
+    is {output_dir}/`run_name`."""
     if not name:  # not given: the default name
         return
     if not name.strip() or "/" in name or name in (".", ".."):
-        raise RunError(f"--run-name {name!r}: not a directory name (one path component, not "
-                       "\".\" or \"..\"); the run directory is {output_dir}/{run_name}")
+        raise RunError(f"{flag} {name!r}: not a directory name (one path component, not \".\" or "
+                       f"\"..\"); the run directory is {{output_dir}}/{run_name}")
 
 
 def unused_directory(parent, name, create):
@@ -376,6 +378,7 @@ def claim_run_directory(run_dir, resuming, overwrite, created=False):
     lock.write(str(os.getpid()))
     lock.flush()
     if created:
+        MADE_BY_THIS_START.append((run_dir, lock))
         atexit.register(remove_if_unused, run_dir, lock)
     for path in held_run(run_dir, resuming, overwrite):  # --overwrite
         if path.is_dir():
@@ -385,6 +388,16 @@ def claim_run_directory(run_dir, resuming, overwrite, created=False):
     for partial in run_dir.glob(".global_step_*"):  # we hold the lock: no live process is writing these
         shutil.rmtree(partial, ignore_errors=True)
     return lock
+
+
+MADE_BY_THIS_START = []  # [(run directory, its lock)] that claim_run_directory made
+
+
+def remove_unused_run_directories():
+    """remove_if_unused of each run directory this start made, as at exit: for an exit by
+    os._exit (a distributed one), which skips atexit."""
+    for run_dir, lock in MADE_BY_THIS_START:
+        remove_if_unused(run_dir, lock)
 
 
 def remove_if_unused(run_dir, lock):
@@ -688,9 +701,10 @@ def other_gpus_memory(actor_device, roles):
 
 def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by,
                   other_gpus, failed_judges=None):
-    """summary.json: whether the run did all its iterations (else what stopped it), validation rewards, iteration
-    times with the first iteration of every start (torch.compile's warm-up) reported apart from the mean, and peak memory.
-    failed_judges ({judge: why}: the judges this start went on without) only where one failed."""
+    """summary.json: whether the run did all its iterations and nothing stopped it (else what did,
+    `stopped_by`), validation rewards, iteration times with the first iteration of every start
+    (torch.compile's warm-up) reported apart from the mean, and peak memory. failed_judges
+    ({judge: why}: the judges this start went on without) only where one failed."""
     history = [entry for entry in state["eval"] if np.isfinite(entry[1])]  # NaN: its scorer failed (the run stopped)
     times = state["iteration_s"]
     warmups = set(state["start_iterations"])
@@ -700,8 +714,8 @@ def write_summary(run_dir, state, args, algorithm, world_size, images_per_iterat
     judge = lambda entry: entry[2]  # the first --eval-judge on the same images, or None
     last = Path(run_dir) / f"global_step_{state['iteration']}"
     saved = not state["iteration"] or all((last / name).exists() for name in CHECKPOINT_FILES)
-    # a full disk may have lost the last checkpoint: then the run is not complete
-    completed = state["iteration"] >= args.num_iterations and saved
+    # a full disk may have lost the last checkpoint, an error stopped the last iteration: incomplete
+    completed = state["iteration"] >= args.num_iterations and saved and not stopped_by
     summary = {"algorithm": algorithm, "reward": args.reward, "completed": completed,
                "stopped_by": None if completed else stopped_by, "iterations": state["iteration"],
                "optimizer_steps": state["optimizer_steps"], "world_size": world_size,

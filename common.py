@@ -35,9 +35,10 @@ from tensorboard.summary.writer import record_writer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (EVAL_SCORES, GracefulStop, RunComplete, RunError, actor_peak_memory,
-                        checkpoints, prepare_run, prompt_files_sha256, save_checkpoint,
-                        save_last_iteration, start_state, summary_of_state)
+from checkpoint import (EVAL_SCORES, PROMPT_FILES, GracefulStop, RunComplete, RunError,
+                        actor_peak_memory, checkpoints, prepare_run, prompt_files_sha256,
+                        remove_unused_run_directories, save_checkpoint, save_last_iteration,
+                        start_state, summary_of_state)
 from data import DataError, load_train_and_eval_prompts
 from omni_rollout import OmniRollout, check_engine
 from precompile import Precompile
@@ -71,6 +72,17 @@ def check_numbers(args, bounds):
         value = getattr(args, flag)
         if not (math.isfinite(value) and (value > bound if op == ">" else value >= bound)):
             fail(f"--{flag.replace('_', '-')} {value:g}: must be a finite number {op} {bound:g}")
+
+
+def check_finite(args):
+    """One line for a flag of real numbers (one, or several as --old-decay) holding NaN or inf,
+    which the range checks' comparisons would let through (any comparison with NaN is false)."""
+    for name, value in asdict(args).items():
+        numbers = value if isinstance(value, tuple) else (value,)
+        reals = [n for n in numbers if isinstance(n, float)]
+        if not all(map(math.isfinite, reals)):
+            shown_value = " ".join(f"{n:g}" for n in numbers)
+            fail(f"--{name.replace('_', '-')} {shown_value}: must be finite numbers")
 
 
 SMALLEST = {  # the least value of each whole-number flag
@@ -124,6 +136,7 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.track:
         check_tracking()
     check_algorithm_args(args)
+    check_finite(args)  # NaN or inf that the range checks let through: an EMA schedule's slope
     trainable = len(train_timestep_grid(range(args.num_steps), args))
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
@@ -217,6 +230,52 @@ def actor_device(name, world_size):
     elif device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())  # "cuda:0" in summary.json
     return device
+
+
+# per node: its devices, its reward servers, and paths a node may mount elsewhere (contents count)
+PER_NODE = ("device", "text_encoder_device", "reward_device", "reward_urls", "reward_timeout",
+            "reward_retries", "output_dir", "resume_from", "train_data", "eval_data", "model",
+            "reward_model", "pickscore_model", "pickscore_processor", "aesthetic_model",
+            "aesthetic_head")
+
+
+def shared_settings(args, algorithm):
+    """{what: value} of what every rank must run alike: the trainer, every flag but PER_NODE's (as
+    the command line spells them) and the contents of the prompt files."""
+    settings = {"the trainer": algorithm}
+    settings |= {f"--{name.replace('_', '-')}": value for name, value in asdict(args).items()
+                 if name not in PER_NODE}
+    hashes = prompt_files_sha256(vars(args))
+    for field, flag in PROMPT_FILES.items():
+        digest = hashes.get(field)
+        settings[f"{flag} contents"] = f"sha256 {digest[:16]}" if digest else "unreadable"
+    return settings
+
+
+def shown(value):
+    """A setting's value as the command line writes it."""
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value))
+    return '""' if value == "" else str(value)
+
+
+def settings_mismatch(settings, rank):
+    """One line on what differs from rank 0's in `settings` (shared_settings of every rank, by
+    rank), naming this rank's value where this rank differs, else the first rank that does; None
+    where every rank agrees."""
+    differing = [other for other, theirs in enumerate(settings) if theirs != settings[0]]
+    if not differing:
+        return None
+    other = rank if rank in differing else differing[0]
+    first, theirs = settings[0], settings[other]
+    names = [name for name in first | theirs if first.get(name) != theirs.get(name)]
+    if first["the trainer"] != theirs["the trainer"]:  # its flags differ too: this says it all
+        names = ["the trainer"]
+    differences = "; ".join(f"{name} {shown(first.get(name, '(absent)'))} on rank 0, "
+                            f"{shown(theirs.get(name, '(absent)'))} on rank {other}"
+                            for name in names)
+    return (f"settings differ between ranks: {differences} (every rank must run the same settings: "
+            "start every node with the same flags)")
 
 
 def all_mean_(tensors, world_size):
@@ -838,6 +897,7 @@ class Run:
             fail(error)
         self.signals = GracefulStop()  # on every rank, before the models load
         self.device = actor_device(args.device, self.world_size)  # several ranks: joins their group
+        self.check_same_settings()  # the first collective: before any could hang or mix settings
         cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
@@ -858,6 +918,19 @@ class Run:
         self.validation_adapter = None  # the adapter Validation samples: checkpoints record it
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
                                   self.keep_after_out_of_memory)
+
+    def check_same_settings(self):
+        """Every rank's shared_settings against rank 0's: where any differs, every rank prints the
+        same line naming the settings and their values, and all exit 1 together."""
+        if self.world_size == 1:
+            return
+        settings = [None] * self.world_size
+        dist.all_gather_object(settings, shared_settings(self.args, self.algorithm))
+        if mismatch := settings_mismatch(settings, self.rank):
+            print(f"{Path(sys.argv[0]).name}: error: {mismatch}", file=sys.stderr, flush=True)
+            remove_unused_run_directories()  # a directory this start made: os._exit skips atexit
+            leave_process_group()
+            os._exit(1)
 
     def read_inputs(self):
         """(train prompts, eval prompts), the model paths checked; --dry-run exits here."""
@@ -1030,7 +1103,10 @@ class Run:
         return f"the {part} of iteration {self.state['iteration'] + 1}"
 
     def write_summary(self):
-        summary = summary_of_state(self.dir, self.state, self.stopped_by, self.device,
+        # a signal after the last iteration cut nothing short; an error there (a diverged step) did
+        done = self.state["iteration"] >= self.args.num_iterations
+        stopped_by = None if self.stop_signal and done else self.stopped_by
+        summary = summary_of_state(self.dir, self.state, stopped_by, self.device,
                                    self.failed_judges)
         self.writer.close()
         return summary

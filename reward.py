@@ -697,11 +697,17 @@ def make_guarded_judges(names, **options) -> list[GuardedJudge]:
 # ---- a weighted mix of rewards -----------------------------------------------------------------
 
 
+# the magnitudes of a normal float32, the type in which weighted_sum weighs the rewards
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def parse_mix(spec) -> dict[str, float]:
     """{name: weight} of a mix spec, in its order: "qwen-vl=0.8 pickscore=0.2", or a list of such
     items (["qwen-vl=0.8", "pickscore=0.2"]); commas separate too. A bare name weighs 1, so
-    "qwen-vl" is today's single reward. A weight is any finite number but 0 (a negative one
-    penalises: flat=-0.5). A ValueError names the first bad item in one line."""
+    "qwen-vl" is today's single reward. A weight is any number but 0 that float32, in which the
+    rewards are weighted, holds (a negative one penalises: flat=-0.5). A ValueError names the
+    first bad item in one line."""
     items = [spec] if isinstance(spec, str) else list(spec)
     items = [item for part in items for item in re.split(r"[\s,]+", part) if item]
     if not items:
@@ -722,6 +728,11 @@ def parse_mix(spec) -> dict[str, float]:
         if weight is None or not np.isfinite(weight) or weight == 0:
             raise ValueError(f"reward mix item {item!r}: the weight must be a finite number "
                              f"other than 0, as in {name}=0.5")
+        if not FLOAT32_TINY <= abs(weight) <= FLOAT32_MAX:  # else inf, or 0 or subnormal there
+            raise ValueError(f"reward mix item {item!r}: the weight {weight:g} is outside "
+                             f"float32's range, in which rewards are weighted (magnitudes "
+                             f"{FLOAT32_TINY:.3g} to {FLOAT32_MAX:.3g}): every weighted reward "
+                             "would be inf or 0")
         weights[name] = weight
     return weights
 

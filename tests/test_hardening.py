@@ -459,12 +459,40 @@ def test_a_failing_scorer_returns_nan_and_keeps_its_first_failure(capsys):
     (crd, dict(old_decay=(0, 0.25, -0.005, 0.999)), "--old-decay 0 0.25 -0.005 0.999: needs an initial decay in"),
     (dgpo, dict(old_decay=(0.001, 2.0)), "--old-decay 0.001 2: needs a slope >= 0 and a max decay in [0, 1]"),
     (dgpo, dict(switch_to_old_step=-3), "--switch-to-old-step -3: must be at least 0"),
+    # NaN or inf where no range bounds it: the snapshot adapters would turn NaN
+    (crd, dict(old_decay=(0, 0.25, float("nan"), 0.999)), "--old-decay 0 0.25 nan 0.999: must be "
+     "finite numbers"),
+    (crd, dict(sampling_decay=(float("inf"), 0.0, 0.0075, 0.999)), "--sampling-decay inf 0 0.0075 "
+     "0.999: must be finite numbers"),
+    (dgpo, dict(old_decay=(float("inf"), 0.3)), "--old-decay inf 0.3: must be finite numbers"),
 ])
 def test_an_ema_schedule_outside_0_1_is_named(trainer, flags, message):
     trainer.check_args(trainer.Args(train_batch_size=6))  # the defaults pass (train_batch_size as resolved from 0)
     with pytest.raises(SystemExit, match=re.escape(message)):
         trainer.check_args(trainer.Args(train_batch_size=6, **flags))
 
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--old-decay", 0, 0.25, "nan", 0.999], "--old-decay 0 0.25 nan 0.999: must be finite "
+     "numbers"),
+    (["--sampling-decay", "inf", 0, 0.0075, 0.999], "--sampling-decay inf 0 0.0075 0.999: must be "
+     "finite numbers"),
+    (["--reward", "brightness=1e308"], "--reward: reward mix item 'brightness=1e308': the weight "
+     "1e+308 is outside float32's range"),
+    (["--reward", "brightness", "flat=1e-50"], "--reward: reward mix item 'flat=1e-50': the weight "
+     "1e-50 is outside float32's range"),
+])
+def test_a_nonfinite_schedule_or_a_weight_float32_cannot_hold_stops_the_trainer(
+        flags, message, tiny_model_dir, tmp_path):
+    """Before these checks the run went on: NaN snapshot adapters and a run "completed" (exit 0), or
+    every step skipped or the reward zeroed, with no line naming the flag."""
+    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 0,
+                   *flags, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"crd.py: error: {message}"), line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("trainer, flags, message", [
@@ -487,6 +515,10 @@ def test_an_ema_schedule_outside_0_1_is_named(trainer, flags, message):
     (crd, dict(kl_floor=0.5), "--kl-floor 0.5: must not exceed --kl-beta 0.1"),
     (dgpo, dict(beta_dpo=-1.0), "--beta-dpo -1: must be a finite number > 0"),
     (dgpo, dict(clip_range=-0.1), "--clip-range -0.1: must be a finite number >= 0"),
+    (crd, dict(reward="brightness flat=1e308"), "--reward: reward mix item 'flat=1e308': the "
+     "weight 1e+308 is outside float32's range"),
+    (dgpo, dict(reward="brightness=1e-50"), "--reward: reward mix item 'brightness=1e-50': the "
+     "weight 1e-50 is outside float32's range"),
 ])
 def test_a_setting_out_of_its_range_is_named(trainer, flags, message):
     trainer.check_args(trainer.Args(train_batch_size=6))

@@ -181,6 +181,57 @@ def test_a_rank_killed_restarts_the_run_from_its_latest_checkpoint(one_node, tin
     assert_same_training(run, one_node)
 
 
+def nodes_with_other_settings(env, log, node1_flags, *extra):
+    """Two nodes whose commands differ in node1_flags, given to node 1 alone: [(exit status,
+    stdout, stderr)] of each and the seconds until both had exited."""
+    port = str(free_port())
+    started = time.monotonic()
+    nodes = [start(env, f"{log}{rank}", *extra, *flags, NNODES="2", NODE_RANK=str(rank),
+                   MASTER_PORT=port) for rank, flags in enumerate(([], node1_flags))]
+    results = finish(nodes, [f"{log}0", f"{log}1"])
+    return results, time.monotonic() - started
+
+
+def assert_one_line_naming(results, flag, values):
+    """Every node exits non-zero with one line naming the flag and both values (which node holds
+    rank 0 is the rendezvous's choice), and no traceback."""
+    first, second = values
+    named = [f"{flag} {a} on rank 0, {b} on rank 1" for a, b in ((first, second), (second, first))]
+    for code, _, err in results:
+        assert code != 0 and "Traceback" not in err, err[-3000:]
+        (line,) = [line for line in err.splitlines() if flag in line]
+        assert line.startswith("crd.py: error: settings differ between ranks: "), line
+        assert any(f" {pair}" in line for pair in named), line
+
+
+@pytest.mark.parametrize("flag, values", [("--learning-rate", ("0.003", "0.0003")),
+                                          ("--group-size", ("4", "6"))])
+def test_nodes_started_with_other_settings_stop_at_once_naming_the_flag(flag, values,
+                                                                        tiny_model_dir, tmp_path):
+    """Before the check, another --learning-rate on one node trained silently (both exited 0) and
+    another --group-size failed an iteration in with gloo's collective mismatch, which names no
+    flag (NCCL may hang there). Now both stop before the run directory is written."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    results, seconds = nodes_with_other_settings(env, tmp_path / "node", [flag, values[1]],
+                                                 "--num-iterations", ITERATIONS)
+    assert_one_line_naming(results, flag, values)
+    assert seconds < 120 and not (tmp_path / "runs" / "run").exists()  # a failed start leaves none
+
+
+def test_a_resume_with_other_settings_on_one_node_stops_at_once(one_node, tiny_model_dir,
+                                                                tmp_path):
+    """--num-iterations may change on resume (checkpoint.SAFE_TO_CHANGE_ON_RESUME), but not from
+    one node to another: one rank would stop while the other waits in its next collective."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    run = tmp_path / "runs" / "run"
+    shutil.copytree(one_node, run)
+    held = sorted(p.name for p in run.iterdir())
+    results, seconds = nodes_with_other_settings(env, tmp_path / "node", ["--num-iterations", 5],
+                                                 "--num-iterations", 4)
+    assert_one_line_naming(results, "--num-iterations", ("4", "5"))
+    assert seconds < 120 and sorted(p.name for p in run.iterdir()) == held  # nothing written
+
+
 def latest(args, **changes):
     """prepare_run with --resume-from latest (the main process of one): (run directory, lock)."""
     return checkpoint.prepare_run(dataclasses.replace(args, resume_from="latest", **changes), "crd",

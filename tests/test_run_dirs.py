@@ -34,6 +34,31 @@ def test_a_run_name_is_one_path_component(tmp_path, name):
     assert not (tmp_path / "up").exists()
 
 
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../../up", "a/b", "..", ".", "  "])
+def test_an_exp_name_is_one_path_component(tmp_path, name):
+    """The default run directory is {output_dir}/{exp_name}__{reward}__{seed}__{unix time}: a
+    --exp-name with "/" put it elsewhere, unchecked, where --run-name was refused."""
+    name = str(tmp_path / "elsewhere") if name == "ABSOLUTE" else name
+    for dry_run in (False, True):
+        with pytest.raises(checkpoint.RunError) as error:
+            prepare(output_dir=str(tmp_path / "runs" / "out"), exp_name=name, dry_run=dry_run)
+        assert str(error.value).startswith(f"--exp-name {name!r}: not a directory name ")
+        assert "\n" not in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_exp_name_outside_the_output_dir_stops_the_trainer_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "crd.py"), "--exp-name", "../../up", "--output-dir",
+         str(tmp_path / "runs" / "out"), "--device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "crd.py: error: --exp-name '../../up': not a directory name (one path component, not "
+        '"." or ".."); the run directory is {output_dir}/{exp_name}__{reward}__{seed}__{unix time}']
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_default_names_of_starts_in_the_same_second_differ(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.time, "time", lambda: 1700000000.5)
     args = {"output_dir": str(tmp_path), "exp_name": "crd", "reward": "ocr", "seed": 3}

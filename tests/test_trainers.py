@@ -347,6 +347,23 @@ def test_nonfinite_gradients_skip_steps_then_stop_with_a_checkpoint(tiny_model_d
     assert any(not torch.equal(v, first["policy." + k[4:]]) for k, v in first.items() if k.startswith("old."))  # it lags
 
 
+def test_nonfinite_gradients_in_the_last_iteration_leave_a_summary_saying_so(tiny_model_dir,
+                                                                            tmp_path):
+    """At lr 1e30 the second step of iteration 1, the last, is non-finite: the run stops there
+    with its error line and exit 1, and summary.json says what stopped it (it said
+    "completed": true, "stopped_by": null)."""
+    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 0,
+                   "--learning-rate", 1e30, "--max-nonfinite-steps", 1, check=False)
+    run = tmp_path / "run"
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (f"crd.py: error: 1 consecutive non-finite gradients: stopped after iteration 1 (the "
+            f"latest checkpoint is in {run})") in result.stderr.splitlines()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 1 and summary["completed"] is False
+    assert summary["stopped_by"] == "1 consecutive non-finite gradients"
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_1"]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_learning_raises_a_cheap_reward(script, tiny_model_dir, tmp_path):
     """Brightness on the tiny model: the training reward must rise clearly above its start within ~20 CPU seconds.
