@@ -323,3 +323,28 @@ def test_results_md_shows_the_table_compare_prints_for_the_five_seed_result():
     assert len(ROW.findall(validation)) == 3 and len(rows) == 8  # 3 groups, 3 pairs, 2 headers
     shown = (root / "benchmark" / "RESULTS.md").read_text()
     assert [row for row in rows if row not in shown] == []
+
+
+def test_results_md_shows_compare_s_numbers_for_diffusionnft_at_crd_s_kl_weight(tmp_path):
+    """Each row of RESULTS.md's KL-weight table is compare.py's on the committed file."""
+    root = COMPARE.parents[2]
+    result = root / "benchmark" / "results" / "ocr_proxy_nft_kl_h200.json"
+    numbers = tmp_path / "numbers.json"
+    subprocess.run([sys.executable, str(COMPARE), str(result), "--json", str(numbers)],
+                   capture_output=True, text=True, check=True)
+    protocols = json.loads(numbers.read_text())
+
+    def signed(x):
+        return f"{x:+.3f}".replace("-", "\u2212")
+
+    shown = (root / "benchmark" / "RESULTS.md").read_text()
+    for scale in ("1", "1.5", "3", "4.5"):
+        protocol = protocols[f"cfg{scale}_40steps"]
+        groups = protocol["groups"]
+        pair = next(d for d in protocol["differences"]
+                    if (d["a"], d["b"]) == ("nft kl0.1", "nft tuned"))
+        interval = f"{signed(pair['diff'])} [{signed(pair['low'])}, {signed(pair['high'])}]"
+        row = (f"| {scale} | {protocol['base']:.3f} | {groups['nft tuned']['mean']:.3f} | "
+               f"{groups['nft kl0.1']['mean']:.3f} | {interval} | {pair['mde']:.3f} |")
+        assert row in shown, row
+    assert len(groups["nft kl0.1"]["seeds"]) == 3 and len(groups["nft tuned"]["seeds"]) == 5
