@@ -574,7 +574,7 @@ def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch
     training chunks) shares its kind's graph while the token counts and widths stay constants in the generated
     kernels, which compile faster than torch.compile's dynamic=True (every dimension symbolic) and run as fast
     (benchmark/HISTORY.md). True and None (a dimension turns symbolic once it changes) are torch.compile's own, kept
-    for benchmark/compile_speed.py's comparisons. The compiling is paid in the first validation and iteration, unless
+    for benchmark/startup.py's comparisons. The compiling is paid in the first validation and iteration, unless
     a CompileCache holds it or precompile.py's workers compiled it.
     """
     allow_block_graphs()
