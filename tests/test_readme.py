@@ -4,9 +4,9 @@ Every line of README's bash blocks is one of: run by tests/test_newcomer.py (the
 command and run.sh compare after it, in a working copy), the test suite itself, or a command that
 needs what a CPU test cannot have (a GPU, the hub, the network, the Flow-GRPO dataset), listed by
 name below. A command added to README that is none of these fails here. Every entry point README
-names has a `--help` that runs; every relative link of README.md, docs/ and benchmark/RESULTS.md
-names a file of the repository (and a heading of it, for #anchors); every result file that
-RESULTS.md and docs/ name is in benchmark/results/.
+names has a `--help` that runs; every relative link of README.md, docs/ and benchmark/'s pages
+(RESULTS.md, HISTORY.md, README.md) names a file of the repository (and a heading of it, for
+#anchors); every result file that those pages name is in benchmark/results/.
 """
 
 import re
@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmark" / "RESULTS.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *(ROOT / "benchmark" / page for page in ("RESULTS.md", "HISTORY.md", "README.md"))]
 DOCS = "".join(page.read_text() for page in PAGES[1:])
 
 # README's commands that tests/test_newcomer.py runs word for word (by how the line starts)
