@@ -667,6 +667,12 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
     if args.resume_from:
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
+        recorded = state.get("validation_adapter")  # absent in checkpoints from before it
+        if recorded and validation_adapter and recorded != validation_adapter:
+            raise RunError(f"--resume-from {args.resume_from}: the run validated its {recorded} "
+                           f"adapter, this trainer validates {validation_adapter}: its eval curve "
+                           "would change adapters mid-run (resume with the trainer that started it, "
+                           "or start a new run)")
     check_same_start(state["iteration"], args, device, world_size)
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
     state.update(sampler=sampler.state_dict(), args=record_args(args), world_size=world_size, algorithm=algorithm,

@@ -182,7 +182,8 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
         if name.startswith("crd"):  # CRD's snapshots keep moving; the others' by their own schedules
             assert settings["sampling_decay"] == [75, 0, 0.0075, 0.9] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
         protocols = {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
-        assert set(scores) == {"checkpoint", "per_prompt", *protocols} and set(scores["per_prompt"]) == protocols
+        assert set(scores) == {"checkpoint", "adapter", "per_prompt", *protocols}
+        assert set(scores["per_prompt"]) == protocols and scores["adapter"] == "sampling"
         assert all(0.0 <= scores[k] <= 1.0 for k in protocols)
         # every word's score is kept, in report["eval_words"]' order, for paired comparisons
         for protocol in protocols:

@@ -296,10 +296,16 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                                 preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 
+def validated_adapter(checkpoint_dir: Path) -> str:
+    """The adapter a checkpoint's trainer validated with (its trainer_state.json records it; "sampling" in
+    checkpoints from before it): a fork's on-policy run is scored with its policy, as it validated."""
+    return checkpoint.read_checkpoint_state(checkpoint_dir).get("validation_adapter") or "sampling"
+
+
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
                  resolution: int, protocols: dict[str, tuple[float, int]]) -> dict:
     """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
-    and of each run's last checkpoint, with the adapter the trainers validate with ("sampling"), and with
+    and of each run's last checkpoint, with the adapter its trainer validated with (validated_adapter), and with
     the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
     policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
     closely. Each entry keeps every word's score too, in `words`' order: {"per_prompt": {protocol:
@@ -327,12 +333,13 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
         checkpoints = checkpoint.checkpoints(run_dir)
         if checkpoints:
             adapters, trained = checkpoint.read_adapters(checkpoints[-1])
+            validated = validated_adapter(checkpoints[-1])
             rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
-            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["sampling"])
+            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters[validated])
             means, per_prompt = at_protocols(adapter, protocols)
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
             policy_means, policy_per_prompt = at_protocols(adapter, validation, "policy_")
-            scores[name] = {"checkpoint": checkpoints[-1].name,
+            scores[name] = {"checkpoint": checkpoints[-1].name, "adapter": validated,
                             **entry({**means, **policy_means}, {**per_prompt, **policy_per_prompt})}
     return scores
 
