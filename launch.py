@@ -9,10 +9,14 @@ This is torch.distributed.run itself (torchrun), with two of its exceptions turn
 - a rank that failed (it printed its own error): exit with its exit code, where torchrun prints a ~40-line
   ChildFailedError report.
 A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line before it starts, not its traceback.
+SIGUSR1 (a common Slurm pre-emption signal, `--signal=USR1@600`) stops the run as SIGTERM does: torchrun forwards
+SIGTERM to the ranks, which save, and launch.py exits 143. With --max-restarts, launch.py gives each attempt's ranks a
+store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so that a restart survives a killed rank 0.
 torchrun kills ranks that are still running --shutdown-timeout seconds (default 30) after it forwarded a signal: give a
 graceful stop the time of an iteration and a checkpoint (run.sh does).
 """
 
+import os
 import signal
 import sys
 
@@ -42,13 +46,29 @@ def check_nproc_per_node(value):
         fail("must be at least 1")
 
 
+def stop_on_usr1(signum, frame):
+    """SIGUSR1: torchrun's way of stopping on SIGTERM (it forwards SIGTERM to the ranks)."""
+    stop_on_usr1.received = True
+    raise SignalException(f"Process {os.getpid()} got signal: SIGUSR1", sigval=signal.SIGTERM)
+
+
+stop_on_usr1.received = False
+
+
 if __name__ == "__main__":
-    check_nproc_per_node(parse_args(sys.argv[1:]).nproc_per_node)  # torchrun's parser: every spelling of the flag
+    torchrun_args = parse_args(sys.argv[1:])  # torchrun's parser: every spelling of a flag
+    check_nproc_per_node(torchrun_args.nproc_per_node)
+    if torchrun_args.max_restarts > 0:
+        # in the agent's store, which outlives an attempt, a restarted rank can read the dead rank
+        # 0's gloo/NCCL address before the new rank 0 writes its own (pytorch/pytorch#135712)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    signal.signal(signal.SIGUSR1, stop_on_usr1)  # torchrun handles TERM, INT, HUP and QUIT only
     try:
         main()
     except SignalException as stop:
-        print(f"launch.py: stopped by {stop.sigval.name}, which torchrun forwarded to the ranks (they save at the end "
-              "of their iteration)", file=sys.stderr, flush=True)
+        name = "SIGUSR1 (handled as SIGTERM)" if stop_on_usr1.received else stop.sigval.name
+        print(f"launch.py: stopped by {name}, which torchrun forwarded to the ranks (they save at the end of their "
+              "iteration)", file=sys.stderr, flush=True)
         sys.exit(128 + stop.sigval)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()

@@ -239,15 +239,12 @@ else
     torchrun_args=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
                    --rdzv-id "$RDZV_ID" --rdzv-conf "is_host=$(( NODE_RANK == 0 ))")
   fi
-  restart_env=()
   if (( MAX_RESTARTS > 0 )); then
+    # launch.py gives each attempt's ranks a store of their own, which a restart after a killed
+    # rank 0 needs
     torchrun_args+=(--max-restarts "$MAX_RESTARTS")
-    # the ranks of a restart get a store of their own: in the agent's store, which outlives an
-    # attempt, a restarted rank can read the dead rank 0's gloo/NCCL address before the new rank 0
-    # writes its own, and fails to connect (torch 2.13; pytorch/pytorch#135712)
-    restart_env=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
   fi
-  launcher=(env TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_TIMEOUT" "${restart_env[@]}" "$PYTHON"
+  launcher=(env TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_TIMEOUT" "$PYTHON"
             launch.py "${torchrun_args[@]}" --nproc-per-node "$NUM_GPUS_ACTOR_ROLLOUT")
 fi
 cmd=("${launcher[@]}" "${trainer[@]}")

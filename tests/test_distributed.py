@@ -216,3 +216,59 @@ def test_sigterm_under_torchrun_stops_every_rank_with_a_checkpoint(tiny_model_di
     assert state["iteration"] == summary["iterations"] and state["world_size"] == 2
     assert {key.split(".")[0] for key in adapters(tmp_path / "run", state["iteration"])} == {"policy", "old", "sampling"}
     assert torch.load(saved / "optimizer.pt", weights_only=True)["state"]  # Adam moments: it trained
+
+
+# a rank that stands for a trainer: it waits for a stop, "saves" and exits as the trainers do
+STOPPABLE_RANK = '''
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import checkpoint
+stop = checkpoint.GracefulStop()
+print("started", os.environ["RANK"], os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"), flush=True)
+while stop.signum is None and len(sys.argv) < 3:
+    time.sleep(0.01)
+print("saved", os.environ["RANK"], stop.signum, flush=True)
+sys.exit(128 + stop.signum if stop.signum else 0)
+'''
+
+
+def launch(tmp_path, *torchrun_args, script_args=()):
+    (tmp_path / "rank.py").write_text(STOPPABLE_RANK)
+    env = {k: v for k, v in os.environ.items()
+           if k not in DIST_ENV and k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    cmd = [sys.executable, "launch.py", "--standalone", *torchrun_args, str(tmp_path / "rank.py"),
+           str(ROOT), *script_args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def test_sigusr1_to_launch_py_stops_the_ranks_as_sigterm(tmp_path):
+    """Slurm's --signal=USR1: launch.py has torchrun forward SIGTERM to the ranks, which save and
+    exit 143, and says so in one line; without it, SIGUSR1 would kill torchrun's agent at once."""
+    process = launch(tmp_path, "--nproc-per-node", "2")
+    try:
+        started = [process.stdout.readline() for _ in range(2)]
+        assert sorted(line.split()[:2] for line in started) == [["started", "0"], ["started", "1"]]
+        os.kill(process.pid, signal.SIGUSR1)
+        stdout, stderr = process.communicate(timeout=TIMEOUT)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    assert sorted(line for line in stdout.splitlines() if line.startswith("saved")) == [
+        "saved 0 15", "saved 1 15"]
+    assert stdout.count("SIGTERM: finishing this iteration") == 2  # torchrun's SIGTERM, not USR1
+    assert stderr.splitlines()[-1] == (
+        "launch.py: stopped by SIGUSR1 (handled as SIGTERM), which torchrun forwarded to the ranks "
+        "(they save at the end of their iteration)")
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_launch_py_gives_restarted_ranks_a_store_of_their_own(tmp_path, restarts):
+    """With --max-restarts, launch.py sets what a restart after a killed rank 0 needs (run.sh no
+    longer does it for it): the ranks see TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    process = launch(tmp_path, "--nproc-per-node", "1", "--max-restarts", str(restarts),
+                     script_args=["--no-wait"])
+    stdout, stderr = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 0, stderr[-3000:]
+    assert stdout.splitlines()[0] == f"started 0 {'1' if restarts else None}"

@@ -133,6 +133,33 @@ def test_a_signal_to_the_trainer_and_then_to_its_process_group_stops_it_graceful
     assert process.returncode == 128 + signal.SIGTERM
 
 
+def test_sigusr1_stops_a_trainer_as_sigterm(tmp_path):
+    """Slurm's pre-emption warning (--signal=USR1@...): the trainer finishes its iteration, saves and
+    exits 143, which crd.sbatch requeues; a SIGTERM copy of the same request is not a second one."""
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import checkpoint\n"
+        "stop = checkpoint.GracefulStop()\n"
+        "print('started', flush=True)\n"
+        "while stop.signum is None:\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(0.5)  # the rest of the iteration and the checkpoint\n"
+        "print('saved', flush=True)\n"
+        "sys.exit(128 + stop.signum)\n")
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    assert process.stdout.readline() == "started\n"
+    os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(0.05)
+    os.kill(process.pid, signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert stdout.splitlines() == ["SIGUSR1 (handled as SIGTERM): finishing this iteration, then saving a "
+                                   "checkpoint (SIGTERM again to exit at once)", "saved"], stderr
+    assert process.returncode == 128 + signal.SIGTERM
+
+
 def test_a_trainer_state_lacking_a_field_is_named(tmp_path):
     """No released version wrote a trainer_state.json without these fields: one lacking them is
     damaged, and named in one line rather than filled in."""

@@ -297,8 +297,7 @@ def test_several_nodes_and_restarts_launch_through_torchrun(tmp_path):
     the others at node 0's rendezvous; REWARD_URLS scores on servers elsewhere, starting none."""
     env = fake_tools(tmp_path)
     command = launched(env, MAX_RESTARTS="2", NUM_GPUS_REWARD="0")
-    assert command.startswith("+ env TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 "
-                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 echo launch.py --standalone "
+    assert command.startswith("+ env TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 echo launch.py --standalone "
                               "--max-restarts 2 --nproc-per-node 1 crd.py ")
     assert re.search(r" --run-name crd-[0-9]{8}-[0-9]{6} --resume-from latest$", command), command
     command = launched(env, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", RUN_NAME="r",
