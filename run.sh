@@ -16,6 +16,7 @@
 # needed with NNODES > 1, made up once per launch with MAX_RESTARTS on one node), REWARD_URLS (vLLM
 # servers elsewhere, comma-separated: none is started here; else every node starts its own).
 # SIGTERM or Ctrl-C stops the run at the end of its iteration with a checkpoint; the exit status is then 143 / 130.
+# With --device cpu on a host without GPUs: NUM_GPUS_ACTOR_ROLLOUT CPU ranks, each scoring its own images.
 # The vLLM reward server is started (where vllm is installed) only for a run that reads it: no
 # --reward (run.sh's own, the served Qwen-VL), or a --reward or --eval-judge that names vllm.
 set -euo pipefail
@@ -135,19 +136,7 @@ if (( MAX_RESTARTS > 0 )) && [[ -z $RUN_NAME ]]; then
   RUN_NAME=$algo-$(date +%Y%m%d-%H%M%S)  # one node: one name for every restart of this launch
 fi
 
-available=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [[ -z $REWARD_URLS ]] || NUM_GPUS_REWARD=0  # the servers of REWARD_URLS run elsewhere
-needed=$((NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD))
-if (( needed > available )); then
-  echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=$NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD=$NUM_GPUS_REWARD = $needed GPUs asked, $available present" >&2
-  exit 1
-fi
-
-reward_args=()
-if (( NUM_GPUS_REWARD > 0 && NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
-  # the text encoders (10 GiB) beside the reward model: the recipe's actor then peaks under 40 GiB
-  reward_args=(--text-encoder-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
-fi
 # the words of the trainer flag $1 among the extra args, the last given winning (tyro's rule);
 # status 1 if it is not given
 given() {
@@ -178,6 +167,20 @@ reads_served_reward() {
   done
   return 1
 }
+available=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+device=$(given --device "$@") || device=""
+needed=$((NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD))
+if [[ ${device# } == cpu ]] && (( available == 0 )); then
+  NUM_GPUS_REWARD=0  # a CPU host: NUM_GPUS_ACTOR_ROLLOUT CPU ranks, each scoring its own images
+elif (( needed > available )); then
+  error "NUM_GPUS_ACTOR_ROLLOUT=$NUM_GPUS_ACTOR_ROLLOUT + NUM_GPUS_REWARD=$NUM_GPUS_REWARD =" \
+        "$needed GPUs asked, $available present (--device cpu runs on the CPU)"
+fi
+reward_args=()
+if (( NUM_GPUS_REWARD > 0 && NUM_GPUS_ACTOR_ROLLOUT == 1 )); then
+  # the text encoders (10 GiB) beside the reward model: the recipe's actor then peaks under 40 GiB
+  reward_args=(--text-encoder-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
+fi
 serve_reward=false
 if [[ -n $REWARD_URLS ]]; then
   read -ra urls <<<"${REWARD_URLS//,/ }"

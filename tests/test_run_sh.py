@@ -115,6 +115,30 @@ def test_reward_server_serves_the_run_and_stops_with_it(tmp_path, tiny_model_dir
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def test_a_cpu_host_runs_the_recipe_launcher_with_device_cpu(tmp_path, tiny_model_dir):
+    """--device cpu on a host without a GPU (nvidia-smi finds no driver): run.sh counts no GPU,
+    starts no reward server and trains; without --device cpu it names the GPUs missing."""
+    env = {**fake_tools(tmp_path, gpus=0), "CRD_CACHE": str(tiny_model_dir.parent),
+           "OUTPUT_DIR": str(tmp_path / "runs"), "TRAIN_DATA": str(DATA / "train.txt"),
+           "EVAL_DATA": str(DATA / "test.txt"), "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64",
+           "TOTAL_TRAINING_STEPS": "1", "EVAL_PROMPTS": "3"}
+    (tmp_path / "bin" / "nvidia-smi").write_text(
+        "#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'\n"
+        "exit 9\n")
+    args = ["crd", "--model", "tiny", "--device", "cpu", "--reward", "brightness",
+            "--prompts-per-rank", "1", "--eval-every", "0", "--run-name", "cpu"]
+    result = run_sh(env, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"+ {sys.executable} crd.py --model " in result.stdout and "vllm serve" not in result.stdout
+    assert "--text-encoder-device" not in result.stdout and "cuda" not in result.stdout
+    summary = json.loads((tmp_path / "runs" / "cpu" / "summary.json").read_text())
+    assert summary["completed"] and summary["iterations"] == 1
+    result = run_sh(env, *[a for a in args if a not in ("--device", "cpu")], timeout=120)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=1 + NUM_GPUS_REWARD=1 = 2 GPUs asked, 0 present "
+        "(--device cpu runs on the CPU)"]
+
+
 def tiny_run_env(tmp_path, **tools):
     return {**fake_tools(tmp_path, **tools), "CRD_CACHE": str(tmp_path / "no-cache"), "OUTPUT_DIR": str(tmp_path / "runs"),
             "REWARD_PORT": str(free_port()), "TRAIN_DATA": str(DATA / "train.txt"), "EVAL_DATA": str(DATA / "test.txt")}
