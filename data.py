@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import unicodedata
 from pathlib import Path
 
 import torch
@@ -27,6 +28,13 @@ class DataError(ValueError):
     """Bad input data; the message names the file (and line)."""
 
 
+def normalized_target(target: str) -> str:
+    """`target` as the reward compares it: NFC (a decomposed accent is the composed one a read
+    gives) without format characters (bidi marks, zero-width spaces), which no image shows."""
+    visible = "".join(c for c in target if unicodedata.category(c) != "Cf")
+    return unicodedata.normalize("NFC", visible)
+
+
 def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[dict], int]:
     """Read JSON Lines (a .jsonl or .json file, any case: one object a line, with a "prompt"
     string and an optional "target" string) or raw text (any other name: one prompt a line).
@@ -35,8 +43,9 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
     its "file:line" for later messages, extra the line's other JSON fields ({} for raw text), which
     `convert` writes back. A line without a target, or with an empty one (`""`, which a blank image
     would match), is an error naming file and line, unless `skip_untargeted`: then it is skipped and
-    counted. A JSON object in raw text (a misnamed JSON Lines file) is always an error. Returns the
-    records and the number skipped.
+    counted. A JSON object in raw text (a misnamed JSON Lines file) is always an error. Targets are
+    normalized_target's; in raw text an escaped quote (\\") is a quote. Returns the records and the
+    number skipped.
     """
     path = Path(path)
     if not path.is_file():
@@ -86,7 +95,9 @@ def load_prompts(path: str | Path, skip_untargeted: bool = False) -> tuple[list[
             if json_object:  # its first quoted word, "prompt", would become the target
                 raise DataError(f"{where}: a JSON object in a raw text file of prompts; "
                                 "name the file .jsonl to read it as JSON Lines")
+            prompt = prompt.replace('\\"', '"')  # a prompt copied from code: \"HI\" is "HI"
             target = extract_target(prompt)
+        target = None if target is None else normalized_target(target)
         if target is None or not target.strip():
             if not skip_untargeted:
                 what = "no quoted target text" if target is None else "an empty target text"

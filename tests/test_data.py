@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from data import DataError, GroupSampler, convert, load_prompts
+from reward import ocr_score
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = Path(__file__).parent / "data" / "ocr"
@@ -196,6 +197,22 @@ def test_empty_lines_ignored_and_unicode_round_trip(tmp_path):
     records, skipped = load_prompts(tmp_path / "out" / "train.jsonl")
     assert skipped == 0 and [r["target"] for r in records] == ["Crème Brûlée", "北京欢迎你"]
     assert load_prompts(tmp_path / "out" / "test.jsonl")[0][0]["target"] == "Ünïcödé ✓"
+
+
+def test_targets_are_what_a_perfect_read_gives_and_escaped_quotes_are_quotes(tmp_path):
+    """A decomposed accent, a bidi mark or a zero-width space in a target would cap a perfect read
+    below 1; a raw-text prompt copied from code (\\"HI\\") quotes HI, not HI\\."""
+    decomposed = "Cafe\u0301"
+    write(tmp_path / "a.txt", f'A sign "{decomposed}"\nA note "\u200fNO\u200bEXIT"\nSay \\"HI\\" loud\n')
+    write(tmp_path / "b.jsonl", json.dumps({"prompt": "x", "target": "\u200e" + decomposed}) + "\n")
+    records = load_prompts(tmp_path / "a.txt")[0] + load_prompts(tmp_path / "b.jsonl")[0]
+    assert [r["target"] for r in records] == ["Caf\u00e9", "NOEXIT", "HI", "Caf\u00e9"]
+    assert records[2]["prompt"] == 'Say "HI" loud'
+    assert ocr_score("CAF\u00c9", records[0]["target"]) == 1.0  # the composed read PP-OCR gives
+    assert ocr_score("CAF\u00c9", decomposed) < 0.8  # what the raw target scored
+    write(tmp_path / "c.txt", 'A sign "\u200f"\n')
+    with pytest.raises(DataError, match="an empty target text"):
+        load_prompts(tmp_path / "c.txt")
 
 
 def draw(sampler, iterations):
