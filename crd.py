@@ -24,11 +24,16 @@ import torch
 import tyro
 from einops import rearrange
 
-from common import (WORDS, Compiler, GuardedStep, RolloutEngine, Run, TrainingRows, Validation,
-                    check_numbers, check_shared_args, fail, image_seed, training_scorer)
+from checks import WORDS, check_numbers, check_shared_args, fail
+from compiling import Compiler
 from data import GroupSampler
+from iteration import GuardedStep, TrainingRows, image_seed
+from omni_rollout import RolloutEngine
 from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
                      negative_embeddings, use_adapter)
+from run import Run
+from scoring import training_scorer
+from validation import Validation
 
 
 @dataclass
@@ -298,7 +303,7 @@ def training_rows(x0, grid, args, iteration, rank):
 
 
 def check_args(args):
-    """Every flag before anything loads, each bad one as one line (common.check_shared_args)."""
+    """Every flag before anything loads, each bad one as one line (checks.check_shared_args)."""
     check_shared_args(args, check_algorithm_args, train_timestep_grid)
 
 

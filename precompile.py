@@ -15,7 +15,7 @@ trainer's own compile finds them there as on a warm start. The time this saves i
         ...
     precompile.wait()                   # then the first iteration's compiles are cache hits
 
-The trainers reach it through common.Compiler. A worker that fails costs nothing but time: the trainer compiles
+The trainers reach it through compiling.Compiler. A worker that fails costs nothing but time: the trainer compiles
 that graph itself. Run as a script, this file is one worker: python precompile.py '<JSON spec>'.
 """
 

@@ -1,4 +1,4 @@
-"""Speed of the in-process OCR scorer (reward.QwenVLScorer) at the recipe's batch: 24 images of 512x512, 32 new tokens.
+"""Speed of the in-process OCR scorer (ocr_reward.QwenVLScorer) at the recipe's batch: 24 images of 512x512, 32 new tokens.
 
     python benchmark/reward_speed.py --out reward_speed.json             # random Qwen2.5-VL-3B-sized scorer, CUDA
     python benchmark/reward_speed.py --overlap --out reward_speed.json   # also beside SD3.5-M's no-grad forwards
@@ -31,7 +31,7 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
-from reward import RANDOM_QWEN, make_scorer  # noqa: E402
+from ocr_reward import RANDOM_QWEN, make_scorer  # noqa: E402
 
 CACHES = ("dynamic", "static")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from reward import compressibility, make_scorer
+from ocr_reward import compressibility, make_scorer
 from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent

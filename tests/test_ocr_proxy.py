@@ -17,7 +17,7 @@ from benchmark.ocr_proxy import pretrain
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
-from reward import PaddleScorer, make_scorer
+from ocr_reward import PaddleScorer, make_scorer
 
 # 4^3 = 64 words: pretraining renders and encodes every training word, so the test's task is small
 SMALL_TASK = Task(alphabet="0123", length=3, resolution=64, font_size=20, test_words=4, validation_words=4)
