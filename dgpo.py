@@ -24,7 +24,7 @@ import torch
 import tyro
 from einops import rearrange
 
-from checks import WORDS, check_numbers, check_shared_args, fail
+from checks import WORDS, check_numbers, check_shared_args, fail, loading_errors_as_one_line
 from compiling import Compiler
 from data import GroupSampler
 from iteration import GuardedStep, TrainingRows, image_seed
@@ -314,7 +314,7 @@ if __name__ == "__main__":
     device = run.device
     images_per_rank = args.prompts_per_rank * args.group_size
     micro_rows = args.train_batch_size * args.num_train_timesteps  # training rows of one step
-    with run.loading_errors_as_one_line():
+    with loading_errors_as_one_line():
         engine = RolloutEngine(args, run.world_size, device)  # vllm-omni: checked, not started
         train_set, eval_set = run.read_inputs()  # prompts and model paths; --dry-run ends here
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, args.group_size, args.seed,

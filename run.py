@@ -30,7 +30,7 @@ from checkpoint import (EVAL_SCORES, GracefulStop, RunComplete, RunError, actor_
                         checkpoints, prepare_run, prompt_files_sha256,
                         remove_unused_run_directories, save_checkpoint, save_last_iteration,
                         start_state, summary_of_state)
-from checks import check_judge_models, fail, loading_errors_as_one_line, scorers_of
+from checks import check_judge_models, fail, scorers_of
 from data import load_train_and_eval_prompts
 from distributed import (actor_device, agreed_stop, all_mean_, gather, leave_process_group,
                          settings_mismatch, shared_settings)
@@ -107,9 +107,6 @@ class Run:
     """One start of a training run on this rank: the ranks and device, the run directory (locked by
     the main process), stop signals, the state that checkpoints hold, TensorBoard and the progress
     bar, the stop that every rank agrees on, checkpoints, summary.json and the exit status."""
-
-    # the trainers' loading block: `with run.loading_errors_as_one_line():`
-    loading_errors_as_one_line = staticmethod(loading_errors_as_one_line)
 
     def __init__(self, args, algorithm):
         self.args = args
