@@ -314,6 +314,7 @@ if __name__ == "__main__":
     args.train_batch_size = args.train_batch_size or args.group_size
     check_args(args)
     run = Run(args, Path(__file__).stem)  # ranks, run directory and its lock, stop signals
+    torch.manual_seed(args.seed)  # the LoRA init; rollouts and training seed their own noise
     device = run.device
     images_per_rank = args.prompts_per_rank * args.group_size
     micro_rows = args.train_batch_size * args.num_train_timesteps  # training rows of one step

@@ -130,7 +130,6 @@ class Run:
         cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
-        torch.manual_seed(args.seed)  # the LoRA init; rollouts and training seed their own noise
         self.writer = None
         self.tracking = None  # the W&B run of --track (main process)
         self.bar = None
