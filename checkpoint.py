@@ -3,7 +3,7 @@
 A run directory holds one run: its TensorBoard events, `global_step_N/` checkpoints (N = iterations done) and
 `summary.json`. A process owns it through an exclusive lock on `run.lock`, held for the process lifetime, so two live
 processes never share one; a directory that already holds a run is only continued by `--resume-from` its checkpoint,
-or replaced with `--overwrite`. `--resume-from latest` is the newest complete checkpoint of --output-dir/--run-name,
+or replaced with `--overwrite`. `--resume-from latest` is the newest readable checkpoint of --output-dir/--run-name,
 or a new run where it has none (resolve_latest). A resume refuses settings that would change the run's math
 (`SAFE_TO_CHANGE_ON_RESUME` lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal;
 a failed scorer stops the run before it trains on the failed iteration, saving the one before; the summary then says
@@ -25,6 +25,7 @@ import signal
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,7 +46,7 @@ EVAL_SCORES = "eval_scores.jsonl"  # a run's per-prompt validation scores, a lin
 RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json", EVAL_SCORES)
 # what a save writes: a global_step_N without one of them is no complete checkpoint
 CHECKPOINT_FILES = ("policy_lora", "adapters.safetensors", "optimizer.pt", "trainer_state.json")
-LATEST = "latest"  # --resume-from latest: the newest complete checkpoint of the run, or a new run
+LATEST = "latest"  # --resume-from latest: the newest readable checkpoint of the run, or a new run
 
 # Every Args field not named here defines the run: a resume that changes it is refused, so a new algorithm field is
 # protected without being listed. These may change because the training continues the same trajectory with them:
@@ -277,7 +278,7 @@ def unused_directory(parent, name, create):
 
 
 def resolve_latest(args, main_process):
-    """--resume-from latest, in place: the newest complete checkpoint of {output_dir}/{run_name},
+    """--resume-from latest, in place: the newest readable checkpoint of {output_dir}/{run_name},
     or "" (a new run) where it has none. Returns whether that new run replaces what starts that
     saved no checkpoint left there (events, a summary of 0 iterations), else refused as a run
     already there: a restart before the first checkpoint (torchrun's after a lost rank, a requeued
@@ -289,10 +290,8 @@ def resolve_latest(args, main_process):
                        "new run directory (after its start time), never one with a checkpoint")
     run_dir = Path(args.output_dir) / args.run_name
     found, skipped = latest_checkpoint(run_dir)
-    if skipped and main_process:
-        names = ", ".join(p.name for p in skipped)
-        print(f"--resume-from latest: skipping {names} of {run_dir}: incomplete (it lacks one of "
-              f"{', '.join(CHECKPOINT_FILES)})", flush=True)
+    for path, why in skipped if main_process else []:
+        print(f"--resume-from latest: skipping {path.name} of {run_dir}: {why}", flush=True)
     args.resume_from = str(found or "")
     if found:
         if main_process:
@@ -316,18 +315,47 @@ def resolve_latest(args, main_process):
 
 
 def latest_checkpoint(run_dir):
-    """(The newest complete global_step_N directory of run_dir or None, the newer incomplete ones.)
-    A save's temporary .global_step_N.* is never a checkpoint; a global_step_N that lacks a file a
-    save writes was left half-removed by a kill (--keep-last, a repeated save of one iteration) or
-    changed by hand."""
+    """(The newest readable global_step_N directory of run_dir or None, [(newer one, why it is
+    not)]). A save's temporary .global_step_N.* is never a checkpoint; a global_step_N that lacks a
+    file a save writes was left half-removed by a kill (--keep-last, a repeated save of one
+    iteration) or changed by hand, and one whose files cannot be read was damaged since (a disk
+    error, a copy cut short)."""
     steps = [p for p in Path(run_dir).glob("global_step_*")
              if re.fullmatch(r"global_step_[0-9]+", p.name) and p.is_dir()]
     skipped = []
     for path in sorted(steps, key=lambda p: int(p.name.split("_")[-1]), reverse=True):
-        if all((path / name).exists() for name in CHECKPOINT_FILES):
+        if not (why := unreadable_checkpoint(path)):
             return path, skipped
-        skipped.append(path)
+        skipped.append((path, why))
     return None, skipped
+
+
+def unreadable_checkpoint(path):
+    """Why a checkpoint directory cannot be resumed from, in words, or None: a file a save writes
+    is missing, or trainer_state.json, adapters.safetensors or optimizer.pt cannot be read whole.
+    Reads no tensor: the headers, and the CRC of each part of optimizer.pt (a zip archive)."""
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).exists()]
+    if missing:
+        return f"incomplete (no {', '.join(missing)})"
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as error:  # UnicodeDecodeError too
+        return f"its trainer_state.json cannot be read ({error})"
+    try:
+        with safe_open(path / "adapters.safetensors", "pt"):  # checks the header against the size
+            pass
+    except (SafetensorError, OSError) as error:
+        return f"its adapters.safetensors cannot be read ({error})"
+    try:
+        with zipfile.ZipFile(path / "optimizer.pt") as archive:
+            damaged = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as error:
+        return f"its optimizer.pt cannot be read (truncated or damaged: {error})"
+    if damaged:
+        return f"its optimizer.pt cannot be read (damaged: {damaged} fails its CRC check)"
+    return None
 
 
 def directory_blocked(path):
@@ -640,6 +668,12 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
     if args.resume_from:
         state = load_checkpoint(args.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
+        recorded = state.get("validation_adapter")  # absent in checkpoints from before it
+        if recorded and validation_adapter and recorded != validation_adapter:
+            raise RunError(f"--resume-from {args.resume_from}: the run validated its {recorded} "
+                           f"adapter, this trainer validates {validation_adapter}: its eval curve "
+                           "would change adapters mid-run (resume with the trainer that started it, "
+                           "or start a new run)")
     check_same_start(state["iteration"], args, device, world_size)
     state["start_iterations"].append(state["iteration"] + 1)  # its time carries this start's torch.compile warm-up
     state.update(sampler=sampler.state_dict(), args=record_args(args), world_size=world_size, algorithm=algorithm,

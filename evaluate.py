@@ -238,6 +238,16 @@ def sha256(*paths):
     return digest.hexdigest()
 
 
+def check_finite_weights(lora, source):
+    """Fail in one line if the LoRA {key: tensor} holds NaN or inf (a diverged run's adapter): its
+    images would all be NaN, scored as black images. `source`: what it is, in words."""
+    bad = sum(int((~torch.isfinite(value)).sum()) for value in lora.values())
+    if bad:
+        total = sum(value.numel() for value in lora.values())
+        fail(f"{source} holds {bad} NaN or inf weights of {total} (a diverged run?): its images "
+             "would be NaN; score an earlier checkpoint")
+
+
 def read_checkpoint(args):
     """(LoRA {key: tensor} of --adapter, rank, alpha, the checkpoint's model, sha256 of its adapters file)."""
     try:
@@ -247,6 +257,8 @@ def read_checkpoint(args):
     path = Path(args.checkpoint) / "adapters.safetensors"
     if args.adapter not in adapters:
         fail(f"--adapter {args.adapter}: {path} holds the adapters {', '.join(sorted(adapters))}")
+    check_finite_weights(adapters[args.adapter],
+                         f"--checkpoint {args.checkpoint}: its {args.adapter} adapter")
     return adapters[args.adapter], trained["lora_rank"], trained["lora_alpha"], trained.get("model"), sha256(path)
 
 
@@ -273,6 +285,7 @@ def read_lora(args):
     alpha = (metadata or {}).get("transformer.lora_alpha")
     if alpha is not None and alpha != args.lora_alpha:
         fail(f"--lora {path}: a LoRA of alpha {alpha}, but --lora-alpha {args.lora_alpha}")
+    check_finite_weights(state, f"--lora {path}")
     return state, sha256(*files)
 
 
@@ -561,9 +574,15 @@ if __name__ == "__main__":
                     thread.submit(images, part_targets, part_prompts)
 
             with autocast:
-                sample(pipe, embeds, pooled, [args.seed + i for i in indices], args.num_steps, args.guidance,
-                       args.resolution, args.resolution, args.forward_batch_size, negative_embeds=negative[0],
-                       negative_pooled=negative[1], on_decoded=score_part)
+                seeds = [args.seed + i for i in indices]
+                finite = sample(pipe, embeds, pooled, seeds, args.num_steps, args.guidance,
+                                args.resolution, args.resolution, args.forward_batch_size,
+                                negative_embeds=negative[0], negative_pooled=negative[1],
+                                on_decoded=score_part)["finite"]
+            if bad := int((~finite).sum()):  # as the trainers warn: else it scores 0 without a word
+                tqdm.write(f"evaluate.py: warning: {bad} of {len(indices)} images of prompts "
+                           f"{indices[0]}-{indices[-1]} are NaN or inf (a diverged adapter?): they "
+                           "decode black and are scored as black images", file=sys.stderr)
             write(earlier)
         write(len(parts))
     except ServerError as error:

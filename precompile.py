@@ -21,6 +21,7 @@ that graph itself. Run as a script, this file is one worker: python precompile.p
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -166,7 +167,16 @@ def _exit_with(parent: int) -> None:
 
 
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
+    parser = argparse.ArgumentParser(
+        description="One compile worker of a trainer: compiling.Compiler starts it, not a user.",
+        epilog=__doc__.split("\n\n")[0])
+    parser.add_argument("spec", help="the JSON spec of the pass to compile (Precompile writes it)")
+    try:
+        spec = json.loads(parser.parse_args().spec)
+        spec["parent"]
+    except (ValueError, TypeError, KeyError):  # only Precompile writes a spec: a hand-run worker
+        parser.exit(2, "precompile.py: error: spec: not a JSON object of Precompile's (with "
+                       "\"parent\", \"pass\", ...); the trainers start this worker themselves\n")
     threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
     os.nice(10)  # the trainer's model loading first
     try:

@@ -486,7 +486,7 @@ def use_adapter(transformer, name: str | None):
     guard on the name of peft's active adapter (one graph per adapter and block kind, a minute of compiling each), not
     on which tensors it holds. peft's set_adapter() would also rewrite requires_grad, freezing or unfreezing the policy
     mid-step; requires_grad is left alone. The base model runs with the adapters disabled rather than through an
-    adapter with B = 0, which would save graphs but add LoRA work to every base pass (benchmark/RESULTS.md).
+    adapter with B = 0, which would save graphs but add LoRA work to every base pass (benchmark/HISTORY.md).
     """
     if name is not None and (name == SLOT or name not in getattr(transformer, "peft_config", {})):
         raise ValueError(f"unknown adapter {name!r}")
@@ -573,8 +573,8 @@ def compile_blocks(transformer, dynamic: bool | None | Literal["batch"] = "batch
     grad mode. `dynamic="batch"` makes only the batch dimension symbolic, so that every batch size (rollout, CFG,
     training chunks) shares its kind's graph while the token counts and widths stay constants in the generated
     kernels, which compile faster than torch.compile's dynamic=True (every dimension symbolic) and run as fast
-    (benchmark/RESULTS.md). True and None (a dimension turns symbolic once it changes) are torch.compile's own, kept
-    for benchmark/compile_speed.py's comparisons. The compiling is paid in the first validation and iteration, unless
+    (benchmark/HISTORY.md). True and None (a dimension turns symbolic once it changes) are torch.compile's own, kept
+    for benchmark/startup.py's comparisons. The compiling is paid in the first validation and iteration, unless
     a CompileCache holds it or precompile.py's workers compiled it.
     """
     allow_block_graphs()

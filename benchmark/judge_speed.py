@@ -93,20 +93,24 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def measure(scorer, images, prompts, device, repeats: int) -> dict:
-    """Warm-up, then `repeats` timed calls of the scorer; the preprocessing alone; memory."""
+def measure(scorer, images, prompts, device, repeats: int, label: str = "") -> dict:
+    """Warm-up, then `repeats` timed calls of the scorer; the preprocessing alone; memory. A
+    progress line (prefixed `label`) before the warm-up and after each timed call, outside its
+    timing: at full size on a CPU a call takes minutes."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
+    print(f"{label}: warm-up call on {len(images)} images", flush=True)
     scores = scorer(images, prompts)[0]  # warm-up: kernels picked, allocator filled
     seconds = []
-    for _ in range(repeats):
+    for call in range(1, repeats + 1):
         sync()
         started = time.perf_counter()
         scorer(images, prompts)  # its scores are copied to the CPU: the call ends synchronised
         seconds.append(time.perf_counter() - started)
+        print(f"{label}: timed call {call}/{repeats}: {seconds[-1]:.3f} s", flush=True)
     started = time.perf_counter()
     for chunk_images, chunk_prompts in scorer.clip.chunks(images, prompts):
         scorer.clip.pixel_values(chunk_images)
@@ -150,14 +154,17 @@ def main(argv=None):
     images = validation_images(records, args.size)
     spec = TINY if args.tiny else PICKSCORE_V1
     with tempfile.TemporaryDirectory() as model_dir:
+        size = "tiny" if args.tiny else "PickScore_v1-sized (minutes on a CPU)"
+        print(f"building a random {size} CLIP on {device} and saving it", flush=True)
         params = build_random_clip(Path(model_dir), spec, device)
+        print(f"built {params:,} parameters; loading them as PickScoreScorer does", flush=True)
         started = time.perf_counter()
         scorer = PickScoreScorer(model_dir, model_dir, str(device), args.batch_size)
         load_s = time.perf_counter() - started
     results = {}
     for dtype in args.dtypes:
         scorer.clip.model.to(getattr(torch, dtype))
-        results[dtype] = measure(scorer, images, prompts, device, args.repeats)
+        results[dtype] = measure(scorer, images, prompts, device, args.repeats, dtype)
         print(f"{dtype}: {results[dtype]['median_s']:.3f} s for {len(images)} images "
               f"({results[dtype]['per_image_ms']:.1f} ms each), peak "
               f"{results[dtype]['peak_mem_gib']:.2f} GiB", flush=True)

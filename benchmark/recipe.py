@@ -104,6 +104,9 @@ if __name__ == "__main__":
     parser.add_argument("--components", type=Path, help="sample_speed.py's JSON: FLOPs of one forward, rollout parts")
     parser.add_argument("--out", type=Path, default=Path("recipe.json"), help="results (JSON); the crd.py logs go beside it")
     cli = parser.parse_args()
+    if not torch.cuda.is_available():  # before the matmul rate below, which needs one
+        parser.exit(1, "recipe.py: error: needs a CUDA GPU (torch sees none): it times crd.py's "
+                       "full-size recipe; on a CPU, try the README's tiny demo\n")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # `timeout`: stop the trainer too
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "matmul_tflops": matmul_tflops()}
     if cli.components:

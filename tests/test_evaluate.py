@@ -4,6 +4,7 @@ base model reproduce a trainer's own validation; stop and resume; bad inputs."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from ocr_reward import compressibility, make_scorer
 from tensorboard_logs import scalars
@@ -229,3 +231,49 @@ def test_a_lora_with_other_layer_sizes_is_named(tiny_model_dir):
             f"--lora DIR: the LoRA does not fit the model: {key} has shape ({rank}, {width + 8}), the model's layer "
             f"takes ({rank}, {width})")):
         evaluate.load_lora(rollout.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
+
+
+def with_sampling_adapter(trained, tmp_path, change):
+    """A copy of the run's global_step_2 whose sampling adapter `change` ({key: tensor}, in place)
+    has altered."""
+    copy = tmp_path / "global_step_2"
+    shutil.copytree(trained / "global_step_2", copy)
+    tensors = load_file(copy / "adapters.safetensors")
+    change({key: value for key, value in tensors.items() if key.startswith("sampling.")})
+    save_file(tensors, copy / "adapters.safetensors")
+    return copy
+
+
+def test_an_adapter_with_nan_weights_is_refused_in_one_line(trained, tiny_model_dir, tmp_path):
+    """A diverged run's adapter: every image would be NaN, scored as a black image."""
+    def one_nan(adapter):
+        next(value for key, value in adapter.items() if ".lora_B." in key)[0, 0] = float("nan")
+
+    copy = with_sampling_adapter(trained, tmp_path, one_nan)
+    total = sum(v.numel() for k, v in load_file(copy / "adapters.safetensors").items()
+                if k.startswith("sampling."))
+    result = run(tiny_model_dir, "--checkpoint", copy, "--adapter", "sampling", *PROTOCOL,
+                 "--output-dir", tmp_path / "evals", check=False)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"evaluate.py: error: --checkpoint {copy}: its sampling adapter holds 1 NaN or inf weights "
+        f"of {total} (a diverged run?): its images would be NaN; score an earlier checkpoint"]
+    assert not (tmp_path / "evals").exists()
+
+
+def test_nan_images_are_warned_of_and_scored_as_black(trained, tiny_model_dir, tmp_path):
+    """Finite weights so large that the transformer's activations overflow: the images are NaN,
+    and a line on stderr says how many (the trainers' warning), not a quiet score."""
+    def huge(adapter):
+        for value in adapter.values():
+            value.fill_(1e20)
+
+    copy = with_sampling_adapter(trained, tmp_path, huge)
+    result = run(tiny_model_dir, "--checkpoint", copy, "--adapter", "sampling", *PROTOCOL,
+                 "--judge", "none", "--output-dir", tmp_path / "evals")
+    warning = ("evaluate.py: warning: 4 of 4 images of prompts 0-3 are NaN or inf (a diverged "
+               "adapter?): they decode black and are scored as black images")
+    assert warning in result.stderr.splitlines(), result.stderr[-2000:]
+    images = [np.asarray(Image.open(p)) for p in (tmp_path / "evals").glob("*/images/*.png")]
+    assert len(images) == 4 and not any(image.any() for image in images)  # black
+    assert results(tmp_path / "evals")["num_prompts"] == 4

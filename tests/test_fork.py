@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from benchmark.ocr_proxy import run_benchmark
 from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +93,21 @@ def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tm
     assert all(before != after for before, after in zip(evals[0], evals[2])), evals  # it moved
     state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
     assert state["validation_adapter"] == "policy"
+    # the OCR proxy's final scores take the adapter the checkpoint's run validated
+    assert run_benchmark.validated_adapter(run / "global_step_2") == "policy"
+    # the fork edited back to validate its sampling adapter (crd.py's code under the fork's name)
+    # does not go on with the run: its eval curve would switch adapters without a word
+    edited = tmp_path / "edited" / script.name
+    edited.parent.mkdir()
+    edited.write_text(crd)
+    resumed = subprocess.run([sys.executable, str(edited), *cmd[2:], "--num-iterations", "3",
+                              "--resume-from", str(run / "global_step_2")],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 1
+    assert resumed.stderr.strip().splitlines()[-1] == (
+        f"onpolicy.py: error: --resume-from {run / 'global_step_2'}: the run validated its policy adapter, "
+        "this trainer validates sampling: its eval curve would change adapters mid-run (resume with "
+        "the trainer that started it, or start a new run)")
 
     cmd = [sys.executable, str(ROOT / "evaluate.py"), "--checkpoint", str(run / "global_step_2"),
            "--eval-data", str(DATA / "test.txt"), "--num-prompts", "4", "--reward", "brightness",

@@ -3,6 +3,8 @@
 import json
 import re
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -18,6 +20,8 @@ from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, 
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
 from ocr_reward import PaddleScorer, make_scorer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # 4^3 = 64 words: pretraining renders and encodes every training word, so the test's task is small
 SMALL_TASK = Task(alphabet="0123", length=3, resolution=64, font_size=20, test_words=4, validation_words=4)
@@ -178,7 +182,8 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
         if name.startswith("crd"):  # CRD's snapshots keep moving; the others' by their own schedules
             assert settings["sampling_decay"] == [75, 0, 0.0075, 0.9] and settings["old_decay"] == [0, 0.25, 0.005, 0.9]
         protocols = {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "policy_cfg1_2steps"}
-        assert set(scores) == {"checkpoint", "per_prompt", *protocols} and set(scores["per_prompt"]) == protocols
+        assert set(scores) == {"checkpoint", "adapter", "per_prompt", *protocols}
+        assert set(scores["per_prompt"]) == protocols and scores["adapter"] == "sampling"
         assert all(0.0 <= scores[k] <= 1.0 for k in protocols)
         # every word's score is kept, in report["eval_words"]' order, for paired comparisons
         for protocol in protocols:
@@ -368,3 +373,38 @@ def test_the_benchmark_driver_names_a_bad_argument_before_pretraining(flags, mes
     with pytest.raises(SystemExit, match=re.escape(message)):
         run_benchmark.main(args)
     assert not (tmp_path / "model").exists() and not (tmp_path / "bench").exists()
+
+
+def test_pretraining_prints_progress_without_changing_what_it_trains(tmp_path):
+    """pretrain.py with --progress-every-s 0 (a line at every step; 30 s by default, as a CPU run
+    of minutes needs) trains what a run with no line between steps trains: the same validation
+    history, autoencoder MSE and weights."""
+    task = {"alphabet": "0123", "length": 3, "resolution": 64, "font-size": 20, "test-words": 4,
+            "validation-words": 4}
+    flags = [f"--task.{name}={value}" for name, value in task.items()]
+    quiet = _tiny_args(tmp_path / "quiet")
+    quiet.progress_every_s = 1e9
+    for name in ("vae_steps", "vae_batch_size", "steps", "batch_size", "eval_every", "eval_words",
+                 "validation_steps", "rollout_steps", "target", "ocr_workers"):
+        flags += [f"--{name.replace('_', '-')}", str(getattr(quiet, name))]
+    result = subprocess.run([sys.executable, "benchmark/ocr_proxy/pretrain.py", "--out",
+                             str(tmp_path / "loud"), "--device", "cpu", "--model", "tiny", *flags,
+                             "--progress-every-s", "0"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [line for line in result.stdout.splitlines()
+             if re.match(r"pretrain: \w+ step \d", line)]
+    expected = [("autoencoder", i, 2) for i in (1, 2)]
+    expected += [("transformer", i, 4) for i in range(1, 5)]
+    assert [re.match(r"pretrain: (\w+) step (\d+)/(\d+), loss \d+\.\d{4}, \d+ s$", line).groups()
+            for line in steps] == [(what, str(i), str(n)) for what, i, n in expected], result.stdout
+    pretrain.pretrain(quiet)
+    loud, calm = (json.loads((tmp_path / name / "proxy.json").read_text())
+                  for name in ("loud", "quiet"))
+    untimed = lambda history: [{k: v for k, v in e.items() if k != "train_s"} for e in history]
+    assert untimed(loud["history"]) == untimed(calm["history"])
+    assert loud["vae_mse"] == calm["vae_mse"]
+    assert loud["config"] == calm["config"]  # how often it prints is no part of the model's
+    for weights in ("transformer", "text_encoder", "vae"):
+        (file,) = (tmp_path / "loud" / weights).glob("*.safetensors")
+        assert file.read_bytes() == (tmp_path / "quiet" / weights / file.name).read_bytes(), weights

@@ -145,3 +145,20 @@ time.sleep(600)
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(worker)
+
+
+@pytest.mark.parametrize("argv, code, first", [
+    (["--help"], 0, "usage: precompile.py [-h] spec"),
+    (["not json"], 2, "precompile.py: error: spec: not a JSON object of Precompile's"),
+    (['["a list"]'], 2, "precompile.py: error: spec: not a JSON object of Precompile's"),
+])
+def test_the_worker_script_run_by_hand_gives_help_or_one_line(argv, code, first):
+    """python precompile.py --help (a new user's first try) prints the help; a spec that is not
+    Precompile's is one line, never a traceback."""
+    result = subprocess.run([sys.executable, "precompile.py", *argv], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == code and "Traceback" not in result.stdout + result.stderr
+    output = result.stdout if code == 0 else result.stderr
+    assert output.startswith(first), output
+    if code:
+        assert len(result.stderr.splitlines()) == 1, result.stderr

@@ -312,10 +312,10 @@ def test_choose_needs_two_seeds():
         choose.choose(report)
 
 
-def test_results_md_shows_the_table_compare_prints_for_the_five_seed_result():
+def test_results_md_shows_the_table_compare_prints_for_the_ten_seed_result():
     """RESULTS.md's intervals are compare.py's on the committed result file, row for row."""
     root = COMPARE.parents[2]
-    result = root / "benchmark" / "results" / "ocr_proxy_three_way_5seeds_h200.json"
+    result = root / "benchmark" / "results" / "ocr_proxy_three_way_10seeds_h200.json"
     printed = subprocess.run([sys.executable, str(COMPARE), str(result)], capture_output=True,
                              text=True, check=True).stdout
     validation = printed.split("### validation at iteration 225")[1].split("###")[0]
@@ -348,3 +348,114 @@ def test_results_md_shows_compare_s_numbers_for_diffusionnft_at_crd_s_kl_weight(
                f"{groups['nft kl0.1']['mean']:.3f} | {interval} | {pair['mde']:.3f} |")
         assert row in shown, row
     assert len(groups["nft kl0.1"]["seeds"]) == 3 and len(groups["nft tuned"]["seeds"]) == 5
+
+
+MERGE = COMPARE.with_name("merge.py")
+FIVE_SEEDS = COMPARE.parents[2] / "benchmark" / "results" / "ocr_proxy_three_way_5seeds_h200.json"
+
+
+def part_of(report, seeds):
+    """The report run_benchmark.py would have written for `seeds` alone."""
+    keep = {name for name in report["runs"] if int(name.rpartition("_seed")[2]) in seeds}
+    return {**report, "args": {**report["args"], "seeds": seeds},
+            "runs": {name: run for name, run in report["runs"].items() if name in keep},
+            "return_codes": {n: c for n, c in report["return_codes"].items() if n in keep},
+            "final_scores": {n: s for n, s in report["final_scores"].items()
+                             if n in keep or n == "base"}}
+
+
+def run_merge(out, *reports):
+    return subprocess.run([sys.executable, str(MERGE), str(out), *map(str, reports)],
+                          capture_output=True, text=True, check=False)
+
+
+def test_merging_a_result_split_by_seeds_gives_compare_s_tables_back(tmp_path):
+    """The 5-seed result split into seeds 0-2 and 3-4 (as if run in two calls) and merged again:
+    compare.py prints the same tables as on the committed file."""
+    report = json.loads(FIVE_SEEDS.read_text())["benchmark"]
+    (tmp_path / "a.json").write_text(json.dumps(part_of(report, [0, 1, 2])))
+    (tmp_path / "b.json").write_text(json.dumps({"benchmark": part_of(report, [3, 4])}))
+    merged = run_merge(tmp_path / "merged.json", tmp_path / "a.json", tmp_path / "b.json")
+    assert merged.returncode == 0, merged.stderr
+    assert merged.stdout.startswith("merge.py: 15 runs (crd, dgpo, nft; seeds 0-4) of 2 reports")
+    content = json.loads((tmp_path / "merged.json").read_text())
+    assert [part["seeds"] for part in content["parts"]] == [[0, 1, 2], [3, 4]]
+    before = run_compare(FIVE_SEEDS)
+    after = run_compare(tmp_path / "merged.json")
+    assert after.returncode == 0, after.stderr
+    assert after.stdout.split("\n", 1)[1] == before.stdout.split("\n", 1)[1]
+    assert after.stdout.count("| 5 |") == before.stdout.count("| 5 |") > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["args"].update(trainer_args="--kl-cfg 4.5"),
+     "--trainer-args '--kl-cfg 4.5' where {a} has ''"),
+    (lambda r: r["args"]["pretrain"].update(steps=100),
+     "--pretrain.steps 100 where {a} has 30000"),
+    (lambda r: r["eval_words"].reverse(), "other held-out words than {a}'s"),
+    (lambda r: r["final_scores"]["base"]["per_prompt"]["cfg4.5_40steps"].reverse(),
+     "the base scores other per-prompt values at cfg4.5_40steps than in {a}: another pretrained "
+     "base"),
+    (lambda r: r["args"]["variants"].__setitem__(0, "crd:tuned=--crd-beta 1"),
+     "variant crd:tuned runs '--crd-beta 1' where {a} ran '--crd-beta 0.5'"),
+    (lambda r: r["runs"].update(crd_tuned_seed0={}), "run crd_tuned_seed0 is also in an earlier "
+     "report"),
+])
+def test_merge_refuses_reports_of_another_design_in_one_line(tmp_path, change, message):
+    report = json.loads(FIVE_SEEDS.read_text())["benchmark"]
+    (tmp_path / "a.json").write_text(json.dumps(part_of(report, [0, 1, 2])))
+    second = part_of(report, [3, 4])
+    change(second)
+    (tmp_path / "b.json").write_text(json.dumps(second))
+    result = run_merge(tmp_path / "merged.json", tmp_path / "a.json", tmp_path / "b.json")
+    assert result.returncode == 1 and result.stdout == ""
+    expected = f"merge.py: error: {tmp_path / 'b.json'}: " + message.format(a=tmp_path / "a.json")
+    assert result.stderr.splitlines() == [expected]
+    assert not (tmp_path / "merged.json").exists()
+
+
+def test_the_ten_seed_file_holds_the_five_seed_runs_unchanged_and_ten_seeds_of_each():
+    ten = json.loads((FIVE_SEEDS.parent / "ocr_proxy_three_way_10seeds_h200.json").read_text())
+    five = json.loads(FIVE_SEEDS.read_text())["benchmark"]
+    runs, finals = ten["benchmark"]["runs"], ten["benchmark"]["final_scores"]
+    assert {name: runs[name] for name in five["runs"]} == five["runs"]
+    assert {name: finals[name] for name in five["final_scores"]} == five["final_scores"]
+    assert sorted(runs) == sorted(f"{algo}_tuned_seed{seed}" for algo in ("crd", "dgpo", "nft")
+                                  for seed in range(10))
+    assert all(run["iterations"] == 225 for run in runs.values())
+
+
+def test_results_md_shows_the_guided_anchor_s_reward_attributable_gain_and_its_context():
+    """The guided-anchor section's numbers: compare.py's paired gain at iteration 200, and the
+    file's comparison with the unguided-anchor runs, recomputed from the two files."""
+    results = COMPARE.parents[2] / "benchmark" / "results"
+    path = results / "ocr_proxy_guided_anchor_control_h200.json"
+    printed = run_compare(path, "--iteration", 200).stdout
+    validation = printed.split("### validation at iteration 200")[1].split("###")[0]
+    gain = validation.split("reward-attributable gain (paired by seed)")[1]
+    row = next(ROW.finditer(gain))
+    shown = (COMPARE.parents[2] / "benchmark" / "RESULTS.md").read_text()
+    interval = f"{row['diff']} [{row['low']}, {row['high']}]"
+    assert f"**The reward's part is resolved: {interval}**" in shown
+    assert f"MDE {row['mde']}" in shown
+    guided = json.loads(path.read_text())
+    unguided = json.loads((results / "ocr_proxy_three_way_10seeds_h200.json").read_text())
+
+    def at_200(runs, name):
+        return np.array([runs[name.format(seed)]["per_prompt"]["200"] for seed in range(3)])
+
+    rewarded = at_200(guided["benchmark"]["runs"], "crd_seed{}")
+    control = at_200(guided["benchmark"]["runs"], "crd_klonly_seed{}")
+    kl_cfg1 = at_200(unguided["benchmark"]["runs"], "crd_tuned_seed{}")
+    for a, key in ((rewarded, "crd (kl-cfg 4.5)"), (control, "crd klonly (kl-cfg 4.5)")):
+        expected = difference(a, kl_cfg1)
+        assert guided["against_kl_cfg1"][f"{key} - crd tuned (kl-cfg 1)"] == expected
+
+        def signed(x):
+            return f"{x:+.3f}".replace("-", "\u2212")
+
+        assert (f"{signed(expected['diff'])} [{signed(expected['low'])}, "
+                f"{signed(expected['high'])}]") in shown
+    assert f"| CRD, guided anchor (`--kl-cfg 4.5`) | {rewarded.mean():.3f} |" in shown
+    assert f"| its reward-blind control | {control.mean():.3f} |" in shown
+    assert f"the 10-seed file's seeds 0–2) | {kl_cfg1.mean():.3f} |" in shown

@@ -4,9 +4,9 @@ Every line of README's bash blocks is one of: run by tests/test_newcomer.py (the
 command and run.sh compare after it, in a working copy), the test suite itself, or a command that
 needs what a CPU test cannot have (a GPU, the hub, the network, the Flow-GRPO dataset), listed by
 name below. A command added to README that is none of these fails here. Every entry point README
-names has a `--help` that runs; every relative link of README.md, docs/ and benchmark/RESULTS.md
-names a file of the repository (and a heading of it, for #anchors); every result file that
-RESULTS.md and docs/ name is in benchmark/results/.
+names has a `--help` that runs; every relative link of README.md, docs/ and benchmark/'s pages
+(RESULTS.md, HISTORY.md, README.md) names a file of the repository (and a heading of it, for
+#anchors); every result file that those pages name is in benchmark/results/.
 """
 
 import re
@@ -15,9 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmark" / "RESULTS.md"]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *(ROOT / "benchmark" / page for page in ("RESULTS.md", "HISTORY.md", "README.md"))]
+DOCS = "".join(page.read_text() for page in PAGES[1:])
 
 # README's commands that tests/test_newcomer.py runs word for word (by how the line starts)
 RUN_BY_TEST_NEWCOMER = ("python crd.py --model tiny ", "python evaluate.py --checkpoint runs/demo/",
@@ -112,3 +116,18 @@ def test_every_result_file_named_in_the_documentation_exists():
                      if braces else [name])
             for one in names:
                 assert (results / one).is_file(), f"{page.relative_to(ROOT)}: results/{one} is not stored"
+
+
+def test_the_output_folders_the_documentation_names_are_ignored_by_git():
+    """runs/ (the trainers), data/ (data.py in README), evals/ (evaluate.py) and wandb/ (--track's
+    local files) stay out of `git status`; the test prompts under tests/data/ do not."""
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git working copy")
+    outputs = ["runs/demo/summary.json", "data/ocr/train.jsonl",
+               "evals/base__tiny/results.json", "wandb/offline-run-1/run-1.wandb"]
+    for path in outputs:
+        assert "runs/" in path or path.split("/")[0] + "/" in README + DOCS, path
+    kept = ["tests/data/ocr/train.txt", "tests/data/new.txt", "benchmark/results/new.json"]
+    checked = subprocess.run(["git", "check-ignore", "--no-index", *outputs, *kept], cwd=ROOT,
+                             capture_output=True, text=True)
+    assert checked.stdout.splitlines() == outputs, checked.stdout + checked.stderr

@@ -4,14 +4,18 @@ directory."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import checkpoint
 import crd
+from test_trainers import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,3 +115,78 @@ def test_a_failed_start_leaves_no_run_directory(tmp_path):
     (run_dir / "notes.txt").write_text("mine")
     start_with_too_few_prompts(tmp_path)
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt", "run.lock"]
+
+
+@pytest.fixture(scope="module")
+def saved_twice(tiny_model_dir, tmp_path_factory):
+    """A real crd.py run of 2 iterations on the tiny model, saving both: its run directory."""
+    out = tmp_path_factory.mktemp("saved_twice")
+    train("crd.py", tiny_model_dir, out, "--num-iterations", 2, "--save-every", 1,
+          "--eval-every", 0)
+    return out / "run"
+
+
+def cut(path):
+    """A copy cut short: the first half of the file's bytes."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def contents(run_dir):
+    """{relative path: bytes} of every file of a run directory."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file()}
+
+
+DAMAGE = {  # what happened to the newest checkpoint, and the line that says why it is skipped
+    "optimizer.pt cut": (lambda step: cut(step / "optimizer.pt"),
+                         "its optimizer.pt cannot be read (truncated or damaged: File is not a zip "
+                         "file)"),
+    "adapters.safetensors cut": (lambda step: cut(step / "adapters.safetensors"),
+                                 "its adapters.safetensors cannot be read (Error while "
+                                 "deserializing header: incomplete metadata, file not fully "
+                                 "covered)"),
+    "trainer_state.json cut": (lambda step: cut(step / "trainer_state.json"),
+                               "its trainer_state.json cannot be read (Expecting"),
+    "trainer_state.json lost": (lambda step: (step / "trainer_state.json").unlink(),
+                                "incomplete (no trainer_state.json)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_latest_skips_a_damaged_newest_checkpoint_in_one_line(saved_twice, tiny_model_dir,
+                                                              tmp_path, damage):
+    """--resume-from latest (a --dry-run start: the run's checks, nothing written) takes
+    global_step_1 when global_step_2 cannot be read, says so in one line naming it and why, and
+    leaves every file as it was."""
+    shutil.copytree(saved_twice, tmp_path / "run")
+    corrupt, why = DAMAGE[damage]
+    corrupt(tmp_path / "run" / "global_step_2")
+    before = contents(tmp_path / "run")
+    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--resume-from",
+                   "latest", "--dry-run", check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("--resume-from")]
+    skipped = f"--resume-from latest: skipping global_step_2 of {tmp_path / 'run'}: {why}"
+    assert len(lines) == 2 and lines[0].startswith(skipped), result.stdout
+    assert lines[1] == f"--resume-from latest: {tmp_path / 'run' / 'global_step_1'}"
+    assert contents(tmp_path / "run") == before
+
+
+def test_latest_resumes_from_the_checkpoint_before_a_cut_optimizer_state(saved_twice,
+                                                                         tiny_model_dir, tmp_path):
+    """The real resume: from global_step_1 it trains iteration 2 again, to the adapters the
+    uninterrupted run saved, and global_step_2 is whole again; global_step_1 is kept."""
+    shutil.copytree(saved_twice, tmp_path / "run")
+    cut(tmp_path / "run" / "global_step_2" / "optimizer.pt")
+    first = contents(tmp_path / "run" / "global_step_1")
+    result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--save-every", 1,
+                   "--eval-every", 0, "--resume-from", "latest")
+    assert (f"--resume-from latest: skipping global_step_2 of {tmp_path / 'run'}: its optimizer.pt "
+            "cannot be read") in result.stdout
+    assert contents(tmp_path / "run" / "global_step_1") == first
+    resumed, straight = (load_file(run / "global_step_2" / "adapters.safetensors")
+                         for run in (tmp_path / "run", saved_twice))
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[key], straight[key]) for key in straight)
+    assert checkpoint.unreadable_checkpoint(tmp_path / "run" / "global_step_2") is None

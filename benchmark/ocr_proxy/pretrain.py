@@ -116,6 +116,25 @@ class Args:
     """stop transformer training after this many seconds whatever the score (then the result depends on speed)"""
     ocr_workers: int = 14
     """PP-OCR processes for validation (0: in this process)"""
+    progress_every_s: float = 30.0
+    """seconds between progress lines of the autoencoder and transformer training (0: every step)"""
+
+
+class Progress:
+    """A line at most every `every_s` seconds of a training loop, and at its last step, so a run
+    of minutes on a CPU shows where it is. It reads the clock only; the loss it prints is the
+    step's, read when it prints."""
+
+    def __init__(self, what: str, total: int, every_s: float):
+        self.what, self.total, self.every_s = what, total, every_s
+        self.started = self.printed = time.perf_counter()
+
+    def __call__(self, step: int, loss: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if now - self.printed >= self.every_s or step == self.total:
+            self.printed = now
+            print(f"pretrain: {self.what} step {step}/{self.total}, loss {float(loss):.4f}, "
+                  f"{now - self.started:.0f} s", flush=True)
 
 
 def unreadable_renders(task: Task) -> str | None:
@@ -186,12 +205,15 @@ def check_args(args: Args) -> None:
         fail(unreadable)
     if args.time_cap_s <= 0:
         fail(f"--time-cap-s {args.time_cap_s:g}: must be positive")
+    if not (math.isfinite(args.progress_every_s) and args.progress_every_s >= 0):
+        fail(f"--progress-every-s {args.progress_every_s:g}: must be a finite number >= 0")
 
 
 def config_key(args: Args) -> dict:
-    """What determines the model: everything but where it goes, the device and the scorer's parallelism."""
+    """What determines the model: all but where it goes, the device, the scorer's parallelism and
+    how often it prints."""
     key = asdict(args)
-    for name in ("out", "device", "ocr_workers"):
+    for name in ("out", "device", "ocr_workers", "progress_every_s"):
         key.pop(name)
     return key
 
@@ -231,6 +253,7 @@ def train_vae(vae, images: torch.Tensor, args: Args, generator: torch.Generator,
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_learning_rate, weight_decay=0.0)
     vae.train().requires_grad_(True)
     losses = []
+    progress = Progress("autoencoder", args.vae_steps, args.progress_every_s)
     for step in range(args.vae_steps):
         index = torch.randint(len(images), (args.vae_batch_size,), generator=generator, device=images.device)
         x = images[index].float() / 127.5 - 1  # (b, 3, H, W)
@@ -245,6 +268,7 @@ def train_vae(vae, images: torch.Tensor, args: Args, generator: torch.Generator,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(mse.detach())
+        progress(step + 1, losses[-1])
     vae.eval().requires_grad_(False)
     return float(torch.stack(losses[-50:]).mean())
 
@@ -374,6 +398,7 @@ def pretrain(args: Args) -> Path:
 
     validation = next(iter(protocols(args)))  # the protocol that decides the stop
     history, best, eval_s, loss_sum, stop = [], None, [0.0], 0.0, "steps"
+    progress = Progress("transformer", args.steps, args.progress_every_s)
     for step in range(1, args.steps + 1):
         for group, base_lr in zip(optimizer.param_groups, base_lrs):
             group["lr"] = base_lr * min(1.0, step / args.warmup_steps)
@@ -394,6 +419,7 @@ def pretrain(args: Args) -> Path:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_sum += loss.detach()
+        progress(step, loss.detach())
         if step % args.eval_every == 0 or step == args.steps:
             eval_timer = time.perf_counter()
             entry = {**evaluate(step), "loss": float(loss_sum) / args.eval_every}

@@ -71,7 +71,7 @@ ALGORITHMS = ("crd", "dgpo", "nft")
 KL_ONLY = "klonly"  # the variant of --kl-only-control
 # CRD's snapshot adapters keep moving: with crd.py's defaults (Flow-Factory's OCR schedules,
 # examples/crd/lora/sd3_5/default.yaml:55-56) the sampling and old adapters both reach EMA decay 0.999 by iteration
-# ~100, and on this proxy CRD then stops learning near 0.40 held-out (RESULTS.md "v5"); with their decay capped it keeps
+# ~100, and on this proxy CRD then stops learning near 0.40 held-out (HISTORY.md "v5"); with their decay capped it keeps
 # rising ("v6"). Both follow those schedules' ramps up to a decay of 0.9 (an EMA over ~10 iterations) and stay there
 # ("v7": CRD then rolls out and validates with a decoupled EMA of its policy, as the paper intends). DGPO's snapshot
 # never freezes (decay at most 0.3), so this matches the two, it tunes neither
@@ -96,7 +96,7 @@ class Args:
     # 8 prompts x 6 images, 2 optimizer steps of 24 images: the recipe's groups, with the paper's 2 optimizer steps per
     # rollout round (Flow-Factory examples/crd/lora/sd3_5/default.yaml:85, gradient_step_per_epoch: 2; its rounds hold
     # 48 prompts x 24 images, 576 an optimizer step). The recipe's 4 x 6 with one group a step learns less per
-    # iteration on this proxy (RESULTS.md "v8"); CRD's snapshot schedules then count k = its optimizer steps exactly
+    # iteration on this proxy (HISTORY.md "v8"); CRD's snapshot schedules then count k = its optimizer steps exactly
     prompts_per_rank: int = 8
     """prompts per iteration of each run"""
     group_size: int = 6
@@ -276,10 +276,10 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                "--no-compile",  # a 15.5M-parameter model: compiling would take longer than it saves
                # whole passes in one forward: the defaults cut them for SD3.5-M's memory, and a model this small runs
                # launch-bound (same numbers up to float rounding; six runs sharing one H200: 2.2-2.4 -> 1.6-1.8 s an
-               # iteration, benchmark/RESULTS.md "v4")
+               # iteration, benchmark/HISTORY.md "v4")
                "--forward-batch-size", "512", "--policy-timesteps-per-forward", "9",
                # the KL anchor without guidance: the anchors' CFG-4.5 anchor distils guidance into the CFG-1 policy,
-               # which on this proxy alone gives all of the held-out gain (RESULTS.md "v4": a control with no reward
+               # which on this proxy alone gives all of the held-out gain (HISTORY.md "v4": a control with no reward
                # rose as far); to the unguided base, that control stays at the base to the bit ("v5"), so the curves
                # are the reward's. --trainer-args=--kl-cfg 4.5 restores the trainers' default
                "--kl-cfg", "1",
@@ -296,10 +296,16 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
                                 preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 
+def validated_adapter(checkpoint_dir: Path) -> str:
+    """The adapter a checkpoint's trainer validated with (its trainer_state.json records it; "sampling" in
+    checkpoints from before it): a fork's on-policy run is scored with its policy, as it validated."""
+    return checkpoint.read_checkpoint_state(checkpoint_dir).get("validation_adapter") or "sampling"
+
+
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
                  resolution: int, protocols: dict[str, tuple[float, int]]) -> dict:
     """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
-    and of each run's last checkpoint, with the adapter the trainers validate with ("sampling"), and with
+    and of each run's last checkpoint, with the adapter its trainer validated with (validated_adapter), and with
     the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
     policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
     closely. Each entry keeps every word's score too, in `words`' order: {"per_prompt": {protocol:
@@ -327,12 +333,13 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
         checkpoints = checkpoint.checkpoints(run_dir)
         if checkpoints:
             adapters, trained = checkpoint.read_adapters(checkpoints[-1])
+            validated = validated_adapter(checkpoints[-1])
             rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
-            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["sampling"])
+            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters[validated])
             means, per_prompt = at_protocols(adapter, protocols)
             rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
             policy_means, policy_per_prompt = at_protocols(adapter, validation, "policy_")
-            scores[name] = {"checkpoint": checkpoints[-1].name,
+            scores[name] = {"checkpoint": checkpoints[-1].name, "adapter": validated,
                             **entry({**means, **policy_means}, {**per_prompt, **policy_per_prompt})}
     return scores
 

@@ -1,0 +1,45 @@
+"""The benchmarks as a new user meets them on a CPU machine: one line where a GPU is needed, and
+progress lines from those that run for minutes there."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*argv, env=None, timeout=300):
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_recipe_on_a_machine_without_a_gpu_is_one_line(tmp_path):
+    """No CUDA device (hidden here, as on a CPU machine): one line, exit 1, no results file."""
+    out = tmp_path / "recipe.json"
+    result = run("benchmark/recipe.py", "--out", out, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [
+        "recipe.py: error: needs a CUDA GPU (torch sees none): it times crd.py's full-size recipe; "
+        "on a CPU, try the README's tiny demo"]
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_judge_speed_says_what_it_is_doing_and_prints_the_times_it_reports(tmp_path):
+    """At full size on a CPU, building CLIP-H and each call take minutes: a line before each phase
+    and after each timed call, whose time is the one in its JSON."""
+    out = tmp_path / "judge_speed.json"
+    result = run("benchmark/judge_speed.py", "--tiny", "--device", "cpu", "--num-images", 2,
+                 "--size", 64, "--repeats", 2, "--dtypes", "float32", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    seconds = json.loads(out.read_text())["dtypes"]["float32"]["seconds"]
+    assert lines[:5] == [
+        "building a random tiny CLIP on cpu and saving it",
+        lines[1],
+        "float32: warm-up call on 2 images",
+        f"float32: timed call 1/2: {seconds[0]:.3f} s",
+        f"float32: timed call 2/2: {seconds[1]:.3f} s"], result.stdout
+    assert re.fullmatch(r"built [\d,]+ parameters; loading them as PickScoreScorer does", lines[1])
