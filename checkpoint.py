@@ -36,7 +36,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from reward import AESTHETIC_CLIP, PICKSCORE_MODEL, PICKSCORE_PROCESSOR, parse_mix
+from judges import AESTHETIC_CLIP, PICKSCORE_MODEL, PICKSCORE_PROCESSOR
+from reward_mix import parse_mix
 from rollout import export_lora, load_lora_state_dict, lora_state_dict
 
 ADAPTERS = ("policy", "old", "sampling")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from reward import extract_target
+from ocr_reward import extract_target
 
 
 class DataError(ValueError):

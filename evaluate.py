@@ -37,14 +37,16 @@ from PIL import Image
 from tqdm import tqdm
 
 from checkpoint import RunError, read_adapters
-from common import (WORDS, check_devices, check_judge_models, fail, image_rewards,
-                    one_line_on_out_of_memory, out_of_memory)
+from checks import WORDS, check_devices, check_judge_models, fail
 from data import DataError, load_prompts
-from reward import (JUDGES, ScoringThread, ServerError, judge_names, make_guarded_judges,
-                    make_judge, make_mix, normalize_reward_specs, parse_mix)
+from judges import JUDGES, judge_names, make_guarded_judges, make_judge
+from memory import one_line_on_out_of_memory, out_of_memory
+from ocr_reward import ServerError
+from reward_mix import make_mix, normalize_reward_specs, parse_mix
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
                      sample)
+from scoring import ScoringThread, image_rewards
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 # what an out-of-memory error advises: the flags that lower the peak of each phase

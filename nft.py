@@ -26,11 +26,16 @@ import torch
 import tyro
 from einops import rearrange
 
-from common import (WORDS, Compiler, GuardedStep, RolloutEngine, Run, TrainingRows, Validation,
-                    check_numbers, check_shared_args, fail, image_seed, training_scorer)
+from checks import WORDS, check_numbers, check_shared_args, fail, loading_errors_as_one_line
+from compiling import Compiler
 from data import GroupSampler
+from iteration import GuardedStep, TrainingRows, image_seed
+from omni_rollout import RolloutEngine
 from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
                      negative_embeddings, use_adapter)
+from run import Run
+from scoring import training_scorer
+from validation import Validation
 
 
 @dataclass
@@ -300,7 +305,7 @@ def training_rows(x0, grid, args, iteration, rank):
 
 
 def check_args(args):
-    """Every flag before anything loads, each bad one as one line (common.check_shared_args)."""
+    """Every flag before anything loads, each bad one as one line (checks.check_shared_args)."""
     check_shared_args(args, check_algorithm_args, train_timestep_grid)
 
 
@@ -309,10 +314,11 @@ if __name__ == "__main__":
     args.train_batch_size = args.train_batch_size or args.group_size
     check_args(args)
     run = Run(args, Path(__file__).stem)  # ranks, run directory and its lock, stop signals
+    torch.manual_seed(args.seed)  # the LoRA init; rollouts and training seed their own noise
     device = run.device
     images_per_rank = args.prompts_per_rank * args.group_size
     micro_rows = args.train_batch_size * args.num_train_timesteps  # training rows of one step
-    with run.loading_errors_as_one_line():
+    with loading_errors_as_one_line():
         engine = RolloutEngine(args, run.world_size, device)  # vllm-omni: checked, not started
         train_set, eval_set = run.read_inputs()  # prompts and model paths; --dry-run ends here
         sampler = GroupSampler(len(train_set), args.prompts_per_rank, args.group_size, args.seed,

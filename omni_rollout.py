@@ -17,6 +17,9 @@ pipelines hand them to the scheduler, which applies the shift; ours checks them 
 from rollout.euler_schedule), the seeds, and the active adapter as a PEFT directory
 (rollout.export_lora) under a new adapter id, since the engine does not reload an id it has.
 
+RolloutEngine is what the trainers' loop samples with: rollout.sample (--rollout-engine diffusers)
+or this engine's call (vllm-omni).
+
 Importing this module imports no vLLM: vllm_omni is imported when an engine starts, and the
 pipeline class is made when the engine's worker first asks this module for it.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 import rollout
+from checks import loading_errors_as_one_line
 
 FLAG = "--rollout-engine vllm-omni"
 PIPELINE_CLASS = "omni_rollout.EulerRolloutPipeline"  # made by __getattr__, in the engine's worker
@@ -362,3 +366,35 @@ def __getattr__(name: str):
         cls = globals()[name] = _make_pipeline_class()
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class RolloutEngine:
+    """What runs the loop's rollouts: rollout.sample (--rollout-engine diffusers), or its call
+    through vLLM-Omni on the one actor GPU (vllm-omni: omni_rollout.OmniRollout, started once the
+    LoRA adapters exist). Made inside loading_errors_as_one_line: a run the engine cannot serve
+    (several ranks, no CUDA GPU, vllm-omni missing, weights built in memory) is one line."""
+
+    def __init__(self, args, world_size, device):
+        self.args = args
+        self.world_size = world_size
+        self.omni = None
+        self.sample = rollout.sample
+        if args.rollout_engine == "vllm-omni":
+            check_engine(world_size, device, args.model)  # loads nothing: before the models
+
+    def start(self, pipe, dtype):
+        """The vLLM-Omni engine, on `pipe` with its adapters; its start-up check (a non-zero adapter
+        changes its output) failing is one line."""
+        if self.args.rollout_engine != "vllm-omni":
+            return
+        with loading_errors_as_one_line():
+            self.omni = OmniRollout(pipe, self.args.model, pipe.transformer.device,
+                                    self.world_size, dtype, enforce_eager=not self.args.compile)
+        self.sample = self.omni.sample
+
+    def close(self):
+        """Shut the engine down (its processes end before the trainer exits)."""
+        if self.omni is not None:
+            self.omni.close()
+            self.omni = None
+            self.sample = rollout.sample

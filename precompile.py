@@ -15,7 +15,7 @@ trainer's own compile finds them there as on a warm start. The time this saves i
         ...
     precompile.wait()                   # then the first iteration's compiles are cache hits
 
-The trainers reach it through common.Compiler. A worker that fails costs nothing but time: the trainer compiles
+The trainers reach it through compiling.Compiler. A worker that fails costs nothing but time: the trainer compiles
 that graph itself. Run as a script, this file is one worker: python precompile.py '<JSON spec>'.
 """
 
@@ -168,7 +168,7 @@ def _exit_with(parent: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
-        description="One compile worker of a trainer: common.Compiler starts it, not a user.",
+        description="One compile worker of a trainer: compiling.Compiler starts it, not a user.",
         epilog=__doc__.split("\n\n")[0])
     parser.add_argument("spec", help="the JSON spec of the pass to compile (Precompile writes it)")
     try:

@@ -1,4 +1,4 @@
-"""What a PickScore judge adds to a validation (issue 34 point 6): reward.PickScoreScorer on a
+"""What a PickScore judge adds to a validation (issue 34 point 6): judges.PickScoreScorer on a
 randomly initialised CLIP-H/14 of PickScore_v1's architecture, scoring one validation's images.
 
     python benchmark/judge_speed.py --out judge_speed.json              # full size, CUDA, 32 images
@@ -7,7 +7,7 @@ randomly initialised CLIP-H/14 of PickScore_v1's architecture, scoring one valid
 The model: transformers' CLIPModel with the config of yuvalkirstain/PickScore_v1 (ViT-H/14 vision
 tower 1280 wide, 32 layers; text tower 1024 wide, 24 layers; projection 1024), built from that
 config with random weights (nothing is downloaded), saved, and loaded by PickScoreScorer as the
-trainers load the real one. Its processor is reward.py's: CLIPImageProcessorPil (short side to 224
+trainers load the real one. Its processor is judges.py's: CLIPImageProcessorPil (short side to 224
 bicubic, centre crop 224, CLIP's mean and std) and a CLIP tokenizer cut at 77 tokens; the
 tokenizer here is byte level without merges (a token a character), so prompts are as long as or
 longer than CLIP's BPE makes them: an upper bound on the text tower's share.
@@ -34,7 +34,7 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import load_prompts  # noqa: E402
-from reward import PickScoreScorer  # noqa: E402
+from judges import PickScoreScorer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # yuvalkirstain/PickScore_v1's config.json (laion/CLIP-ViT-H-14-laion2B-s32B-b79K's architecture)
@@ -44,7 +44,7 @@ PICKSCORE_V1 = dict(
     vision=dict(image_size=224, patch_size=14, hidden_size=1280, intermediate_size=5120,
                 num_hidden_layers=32, num_attention_heads=16, hidden_act="gelu"),
     projection_dim=1024)
-TINY = dict(  # reward.build_tiny_clip's sizes: CPU checks of this script
+TINY = dict(  # tests/tiny_models.build_tiny_clip's sizes: CPU checks of this script
     text=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=2, max_position_embeddings=77),
     vision=dict(image_size=224, patch_size=32, hidden_size=32, intermediate_size=64,
@@ -130,7 +130,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the JSON file written")
     parser.add_argument("--tiny", action="store_true",
-                        help="reward.build_tiny_clip's sizes, not PickScore_v1's (CPU checks)")
+                        help="tests/tiny_models.build_tiny_clip's sizes, not PickScore_v1's (CPU checks)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-images", type=int, default=32,
                         help="images of one validation (the trainers' --eval-prompts, 32)")

@@ -50,7 +50,7 @@ SEED = 42  # the trainers' default --seed: image j of iteration 0 has seed image
 
 
 def image_seeds(n):
-    return [(SEED << 40) + j for j in range(n)]  # common.image_seed(SEED, 0, j)
+    return [(SEED << 40) + j for j in range(n)]  # iteration.image_seed(SEED, 0, j)
 
 
 class Check:

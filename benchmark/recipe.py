@@ -31,7 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402
-from reward import RANDOM_QWEN  # noqa: E402
+from ocr_reward import RANDOM_QWEN  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
 
 PROMPTS = ROOT / "tests" / "data" / "ocr" / "train.txt"

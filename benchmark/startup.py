@@ -49,15 +49,15 @@ ONE_PROCESS = "-one-process"  # a variant's name with it: a cold start compiles 
 def child(variant: str, report: Path, trainer_args: list[str]) -> None:
     """Run crd.py in this process with `variant`'s compiling; write torch.compile's account at exit."""
     sys.path.insert(0, str(ROOT))
-    import common
+    import compiling
     import precompile
     import rollout
 
     # the trainer's Compiler calls them by these names when crd.py runs below
     dynamic = VARIANTS[variant.removesuffix(ONE_PROCESS)]
-    common.compile_blocks = functools.partial(rollout.compile_blocks, dynamic=dynamic)  # Compiler's
+    compiling.compile_blocks = functools.partial(rollout.compile_blocks, dynamic=dynamic)  # Compiler's
     if variant.endswith(ONE_PROCESS):
-        common.start_precompile = lambda *args: precompile.Precompile([])
+        compiling.start_precompile = lambda *args: precompile.Precompile([])
     started = time.perf_counter()
 
     @atexit.register

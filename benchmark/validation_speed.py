@@ -3,7 +3,7 @@
     python benchmark/validation_speed.py --out validation_speed.json                       # SD3.5-M + 3B scorer, random
     python benchmark/validation_speed.py --model tiny --scorer brightness --device cpu --resolution 64 --steps 2
 
-Runs the steps of `common.validate` one at a time, with the same calls and arguments (sampling adapter, bf16
+Runs the steps of `validation.Validation` one at a time, with the same calls and arguments (sampling adapter, bf16
 autocast, compiled blocks and VAE decoder as with crd.py's --compile): prompt encoding, the 40 CFG denoising steps
 (at --forward-batch-size 48, two chunks of 16 prompts), VAE decoding, the scorer (in a worker thread, as in crd.py),
 and the TensorBoard logging (caption grid of 16 images, transcriptions, written to disk). Then the whole pass as
@@ -30,13 +30,13 @@ sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
 from data import load_prompts  # noqa: E402
-from reward import RANDOM_QWEN, make_scorer  # noqa: E402
+from ocr_reward import RANDOM_QWEN, make_scorer  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=rollout.RANDOM_MEDIUM, help="hub id, local dir, tiny, random-sd3.5-medium")
-    parser.add_argument("--scorer", default="qwen-vl", help="reward.make_scorer name")
+    parser.add_argument("--scorer", default="qwen-vl", help="ocr_reward.make_scorer name")
     parser.add_argument("--scorer-model", default=RANDOM_QWEN)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--reward-gpu", action="store_true", help="the scorer and the text encoders on cuda:1")
@@ -95,7 +95,7 @@ def main():
         writer.add_text("eval/transcriptions", "\n\n".join(f"{t} -> {x!r}" for t, x in zip(targets, texts)), 0)
         writer.flush()
 
-    def whole_pass():  # common.validate (crd.py's validation), step for step
+    def whole_pass():  # validation.Validation (crd.py's validation), step for step
         embeds, pooled = rollout.encode_prompts(pipe, prompts)
         scored = []
         with rollout.use_adapter(transformer, "sampling"), autocast():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from data import DataError, GroupSampler, convert, load_prompts
-from reward import ocr_score
+from ocr_reward import ocr_score
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = Path(__file__).parent / "data" / "ocr"

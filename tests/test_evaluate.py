@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from reward import compressibility, make_scorer
+from ocr_reward import compressibility, make_scorer
 from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """The trainers' TensorBoard records carry the checksums TensorBoard's own code computes, from a C
-implementation (common.masked_crc32c) instead of its pure-Python loop."""
+implementation (run.masked_crc32c) instead of its pure-Python loop."""
 
 import os
 import struct
@@ -9,14 +9,14 @@ import pytest
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboards
 from tensorboard.summary.writer import record_writer
 
-import common
+import run
 
 
 @pytest.mark.parametrize("size", [0, 1, 3, 8, 255, 4096, 100_003])
 def test_masked_crc32c_is_tensorboards(size):
     data = os.urandom(size)
-    assert common.masked_crc32c(data) == tensorboards(data)
-    assert common.masked_crc32c(memoryview(data)) == tensorboards(data)
+    assert run.masked_crc32c(data) == tensorboards(data)
+    assert run.masked_crc32c(memoryview(data)) == tensorboards(data)
 
 
 def test_event_files_hold_valid_records(tmp_path):
@@ -24,7 +24,7 @@ def test_event_files_hold_valid_records(tmp_path):
     (length, its checksum, data, its checksum) checks out against TensorBoard's own checksum."""
     from torch.utils.tensorboard import SummaryWriter
 
-    assert record_writer.masked_crc32c is common.masked_crc32c
+    assert record_writer.masked_crc32c is run.masked_crc32c
     writer = SummaryWriter(tmp_path)
     writer.add_image("eval/images", np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8),
                      1, dataformats="HWC")

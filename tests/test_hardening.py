@@ -23,10 +23,11 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import crd
 import dgpo
-import reward
+import ocr_reward
 import rollout
 from data import GroupSampler
 from ocr_server import ocr_server
+from scoring import GuardedScorer
 from test_trainers import DATA, ROOT, TINY_RUN, train
 
 
@@ -470,14 +471,14 @@ def test_a_failing_scorer_returns_nan_and_keeps_its_first_failure(capsys):
     def broken(images, targets):
         raise ValueError(f"cannot read {len(images)} images")
 
-    scorer = reward.GuardedScorer(broken)
+    scorer = GuardedScorer(broken)
     scores, texts = scorer(np.zeros((3, 8, 8, 3), np.uint8), ["a", "b", "c"])
     assert scores.shape == (3,) and np.isnan(scores).all() and texts == ["", "", ""]
     assert scorer.failure == "the reward failed: ValueError('cannot read 3 images')"
     assert "Traceback" in capsys.readouterr().err
     scorer(np.zeros((1, 8, 8, 3), np.uint8), ["a"])
     assert scorer.failure == "the reward failed: ValueError('cannot read 3 images')"  # the first failure
-    assert reward.GuardedScorer(reward.brightness)(np.full((1, 8, 8, 3), 255, np.uint8), ["a"])[0].tolist() == [1.0]
+    assert GuardedScorer(ocr_reward.brightness)(np.full((1, 8, 8, 3), 255, np.uint8), ["a"])[0].tolist() == [1.0]
 
 
 @pytest.mark.parametrize("trainer, flags, message", [

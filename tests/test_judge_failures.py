@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import evaluate
-import reward
+import tiny_models
 from ocr_server import ocr_server
 from tensorboard_logs import scalars
 from test_trainers import DATA, ROOT, TINY_RUN
@@ -27,7 +27,7 @@ JUDGES = ["--pickscore-model", "{clip}", "--pickscore-processor", "{clip}"]
 @pytest.fixture(scope="module")
 def broken_clip(tmp_path_factory):
     """A tiny PickScore folder with every file in place but its weights cut in half."""
-    clip = reward.build_tiny_clip(tmp_path_factory.mktemp("broken_clip"))
+    clip = tiny_models.build_tiny_clip(tmp_path_factory.mktemp("broken_clip"))
     weights = clip / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     return clip

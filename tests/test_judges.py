@@ -1,4 +1,4 @@
-"""Tests of reward.py's judges on CPU: PickScore and the LAION aesthetic predictor as tiny random
+"""Tests of judges.py's judges on CPU: PickScore and the LAION aesthetic predictor as tiny random
 CLIPs saved to disk and loaded through the real from_pretrained path, checked against float64 hand
 computations of the anchors' formulas; the flat fraction on synthetic images; judges as a list.
 
@@ -15,8 +15,11 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-import reward
-from reward import Judge, ScoringThread, flat_fraction, make_judge, make_judges
+import judges
+import ocr_reward
+import tiny_models
+from judges import Judge, flat_fraction, make_judge, make_judges
+from scoring import ScoringThread
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073])
@@ -53,7 +56,7 @@ def images():
 
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
-    return reward.build_tiny_clip(tmp_path_factory.mktemp("tiny_clip"))
+    return tiny_models.build_tiny_clip(tmp_path_factory.mktemp("tiny_clip"))
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +67,8 @@ def pickscore(tiny_clip):
 
 @pytest.fixture(scope="module")
 def aesthetic(tiny_clip, tmp_path_factory):
-    head = tmp_path_factory.mktemp("head") / reward.AESTHETIC_HEAD
-    reward.save_random_aesthetic_head(head)
+    head = tmp_path_factory.mktemp("head") / judges.AESTHETIC_HEAD
+    tiny_models.save_random_aesthetic_head(head)
     return make_judge("aesthetic", aesthetic_model=str(tiny_clip), aesthetic_head_path=str(head))
 
 
@@ -112,7 +115,7 @@ def test_legacy_processor_config_loads_the_same(tiny_clip, tmp_path):
         "image_std": CLIP_STD.tolist(), "resample": 3, "size": 224}))
     judge = make_judge("pickscore", pickscore_model=str(tiny_clip), pickscore_processor=str(legacy))
     np.testing.assert_array_equal(judge.scorer.clip.pixel_values(images()).numpy(),
-                                  reward.ClipModel(str(tiny_clip), str(tiny_clip), "cpu", 8, "x")
+                                  judges.ClipModel(str(tiny_clip), str(tiny_clip), "cpu", 8, "x")
                                   .pixel_values(images()).numpy())
 
 
@@ -172,7 +175,7 @@ def test_a_missing_clip_is_named(tmp_path):
 
 def test_aesthetic_head_has_the_laion_checkpoint_layout():
     """The keys and shapes of sac+logos+ava1-l14-linearMSE.pth (for ViT-L/14's 768-d embeddings)."""
-    shapes = {k: tuple(v.shape) for k, v in reward.aesthetic_head(768).state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in judges.aesthetic_head(768).state_dict().items()}
     assert shapes == {"layers.0.weight": (1024, 768), "layers.0.bias": (1024,),
                       "layers.2.weight": (128, 1024), "layers.2.bias": (128,),
                       "layers.4.weight": (64, 128), "layers.4.bias": (64,),
@@ -203,7 +206,7 @@ def test_aesthetic_head_file_is_checked(tiny_clip, tmp_path):
     with pytest.raises(RuntimeError, match="no such file"):
         make_judge("aesthetic", aesthetic_model=str(tiny_clip),
                    aesthetic_head_path=str(tmp_path / "x.pth"))
-    wrong = reward.save_random_aesthetic_head(tmp_path / "wide.pth", in_features=768)
+    wrong = tiny_models.save_random_aesthetic_head(tmp_path / "wide.pth", in_features=768)
     with pytest.raises(RuntimeError, match="not a LAION aesthetic MLP for 16-d embeddings"):
         make_judge("aesthetic", aesthetic_model=str(tiny_clip), aesthetic_head_path=str(wrong))
 
@@ -304,14 +307,14 @@ def test_a_judge_reads_in_a_scoring_thread(pickscore):
     scores, texts = thread.take()
     np.testing.assert_allclose(scores, pickscore(images(), prompts=PROMPTS)[0], rtol=0, atol=1e-6)
     assert texts == [""] * 5
-    plain = ScoringThread(reward.brightness)  # plain scorers are submitted as before
+    plain = ScoringThread(ocr_reward.brightness)  # plain scorers are submitted as before
     plain.submit(images(), ["x"] * 5)
     assert plain.take()[0].shape == (5,)
 
 
 def test_judge_repr_and_image_judges_take_no_texts():
-    judge = Judge("brightness", reward.brightness, reads="image")
+    judge = Judge("brightness", ocr_reward.brightness, reads="image")
     assert repr(judge) == "Judge('brightness', reads='image')"
     assert judge(images())[0].shape == (5,)
     with pytest.raises(ValueError, match="the paddle judge reads the targets"):
-        Judge("paddle", reward.brightness)(images())
+        Judge("paddle", ocr_reward.brightness)(images())

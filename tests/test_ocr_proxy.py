@@ -19,7 +19,7 @@ from benchmark.ocr_proxy import pretrain
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
-from reward import PaddleScorer, make_scorer
+from ocr_reward import PaddleScorer, make_scorer
 
 ROOT = Path(__file__).resolve().parent.parent
 

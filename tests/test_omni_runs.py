@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
-import common
+import checks
 import crd
 import omni_rollout
 import rollout
@@ -115,7 +115,7 @@ def engine_args(**changes):
 def one_line_exit(call):
     """What `call` exits with inside the trainers' loading_errors_as_one_line block."""
     with pytest.raises(SystemExit) as exit_:
-        with common.loading_errors_as_one_line():
+        with checks.loading_errors_as_one_line():
             call()
     message = str(exit_.value.code)
     assert "\n" not in message and ": error: --rollout-engine vllm-omni" in message, message
@@ -123,14 +123,14 @@ def one_line_exit(call):
 
 
 def test_what_the_engine_cannot_serve_is_one_line_before_anything_loads(monkeypatch, stand_in):
-    says = one_line_exit(lambda: common.RolloutEngine(engine_args(), 2, "cuda"))
+    says = one_line_exit(lambda: omni_rollout.RolloutEngine(engine_args(), 2, "cuda"))
     assert "runs on one actor rank; this run has 2" in says
-    says = one_line_exit(lambda: common.RolloutEngine(engine_args(), 1, "cpu"))
+    says = one_line_exit(lambda: omni_rollout.RolloutEngine(engine_args(), 1, "cpu"))
     assert "needs a CUDA GPU (vLLM-Omni has no CPU diffusion path)" in says
     args = engine_args(model=rollout.RANDOM_MEDIUM)
-    assert "built in memory" in one_line_exit(lambda: common.RolloutEngine(args, 1, "cuda"))
+    assert "built in memory" in one_line_exit(lambda: omni_rollout.RolloutEngine(args, 1, "cuda"))
     monkeypatch.setattr(omni_rollout.importlib.util, "find_spec", lambda name, *a: None)
-    says = one_line_exit(lambda: common.RolloutEngine(engine_args(), 1, "cuda"))
+    says = one_line_exit(lambda: omni_rollout.RolloutEngine(engine_args(), 1, "cuda"))
     assert "vllm-omni is not installed" in says
 
 
@@ -139,13 +139,13 @@ def test_an_adapter_that_binds_nothing_stops_the_trainer_with_one_line(stand_in,
     from vllm_omni.diffusion.lora import manager
 
     monkeypatch.setattr(manager, "BIND", False)
-    engine = common.RolloutEngine(engine_args(model=str(tiny_model_dir)), 1, "cpu")
+    engine = omni_rollout.RolloutEngine(engine_args(model=str(tiny_model_dir)), 1, "cpu")
     says = one_line_exit(lambda: engine.start(lora_pipe, torch.float32))
     assert "the adapter bound no module" in says and engine.sample is rollout.sample
 
 
 def test_the_engine_starts_on_the_adapters_and_closes(stand_in, on_cpu, lora_pipe, tiny_model_dir):
-    engine = common.RolloutEngine(engine_args(model=str(tiny_model_dir), compile=True), 1, "cpu")
+    engine = omni_rollout.RolloutEngine(engine_args(model=str(tiny_model_dir), compile=True), 1, "cpu")
     engine.start(lora_pipe, torch.float32)
     omni = engine.omni
     assert engine.sample == omni.sample and omni.omni.kwargs["enforce_eager"] is False
@@ -154,7 +154,7 @@ def test_the_engine_starts_on_the_adapters_and_closes(stand_in, on_cpu, lora_pip
 
 
 def test_the_diffusers_engine_is_rollout_sample_and_starts_nothing(lora_pipe):
-    engine = common.RolloutEngine(SimpleNamespace(rollout_engine="diffusers"), 4, "cpu")
+    engine = omni_rollout.RolloutEngine(SimpleNamespace(rollout_engine="diffusers"), 4, "cpu")
     engine.start(lora_pipe, torch.float32)
     assert engine.sample is rollout.sample and engine.omni is None
     engine.close()

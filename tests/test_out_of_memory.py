@@ -31,7 +31,7 @@ RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-
 FAILING_ALLOCATION = """
 import runpy, sys, torch
 sys.path.insert(0, ".")
-import reward, rollout
+import ocr_reward, rollout
 script, kind, fail_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 calls = {"grad": 0, "no_grad": 0, "score": 0, "load": 0}
 def failing(which, function):
@@ -45,9 +45,9 @@ forwards = {which: failing(which, rollout.predict_velocity) for which in ("grad"
 def forward(*args, **kwargs):
     return forwards["grad" if torch.is_grad_enabled() else "no_grad"](*args, **kwargs)
 rollout.predict_velocity = forward
-import common
-common.predict_velocity = forward
-reward.brightness = failing("score", reward.brightness)
+import iteration
+iteration.predict_velocity = forward
+ocr_reward.brightness = failing("score", ocr_reward.brightness)
 rollout.load_pipeline = failing("load", rollout.load_pipeline)
 sys.argv = [script, *sys.argv[4:]]
 runpy.run_path(script, run_name="__main__")

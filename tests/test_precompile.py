@@ -41,7 +41,7 @@ def test_the_smallest_transformer_has_every_block_kind_of_the_model(model):
 
 def test_only_a_cold_start_of_one_rank_that_validates_first_starts_workers(tmp_path, monkeypatch):
     """Workers pay off only behind model loading and the first validation of a start that compiles everything."""
-    import common
+    import compiling
     import crd
 
     monkeypatch.setenv("CRD_CACHE", str(tmp_path))
@@ -49,7 +49,7 @@ def test_only_a_cold_start_of_one_rank_that_validates_first_starts_workers(tmp_p
     off = rollout.CompileCache("tiny", torch.device("cpu"), enabled=False)  # --no-compile, or the CPU
     assert cold.cold and not off.cold
     for args, cache, world_size in [(crd.Args(eval_every=0), cold, 1), (crd.Args(), cold, 2), (crd.Args(), off, 1)]:
-        workers = common.start_precompile(args, cache, "cpu", world_size)
+        workers = compiling.start_precompile(args, cache, "cpu", world_size)
         assert workers.passes == [] and workers.workers == []
 
 

@@ -1,4 +1,4 @@
-"""Tests of reward.py on CPU: the score, PP-OCR on rendered text, the tiny (and meta full-size) Qwen2.5-VL, the vLLM
+"""Tests of ocr_reward.py on CPU: the score, PP-OCR on rendered text, the tiny (and meta full-size) Qwen2.5-VL, the vLLM
 client, cheap rewards.
 
 Run: python -m pytest tests/test_reward.py -q
@@ -14,8 +14,9 @@ import pytest
 from ocr_server import ocr_server
 from PIL import Image, ImageDraw, ImageFont
 
-import reward
-from reward import INSTRUCTION, SCORERS, ServerError, extract_target, make_scorer, ocr_score
+import ocr_reward
+import tiny_models
+from ocr_reward import INSTRUCTION, SCORERS, ServerError, extract_target, make_scorer, ocr_score
 
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
 TARGETS = ["OPEN 24 HOURS", "Coffee Shop", "Hello World", "SALE 50%", "Happy Birthday", "No Parking"]
@@ -132,7 +133,7 @@ def test_scorer_rejects_mismatched_targets(paddle):
 
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
-    return reward.build_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen_vl"))
+    return tiny_models.build_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen_vl"))
 
 
 def test_qwen_vl_tiny_batched(tiny_qwen):
@@ -153,7 +154,7 @@ def test_qwen_vl_prompt_has_instruction_and_image_tokens(tiny_qwen):
     scorer = make_scorer("qwen-vl", model_path=str(tiny_qwen))
     vision = scorer.image_processor(images=[Image.new("RGB", (64, 64))], return_tensors="pt")
     assert vision["image_grid_thw"].tolist() == [[1, 4, 4]]  # 64x64 -> 56x56 -> 4x4 patches -> 4 merged tokens
-    prompt = reward.QWEN_PROMPT.format(image_pads="<|image_pad|>" * 4, instruction=INSTRUCTION)
+    prompt = ocr_reward.QWEN_PROMPT.format(image_pads="<|image_pad|>" * 4, instruction=INSTRUCTION)
     ids = scorer.tokenizer(prompt)["input_ids"]
     assert ids.count(scorer.image_token_id) == 4 and scorer.tokenizer.decode(ids) == prompt
 
@@ -170,7 +171,7 @@ def test_qwen_vl_missing_model_is_clear(tmp_path):
 
 def test_random_qwen_vl_3b_on_meta():
     # the full-size architecture for GPU benchmarks; on "meta" it takes no memory (and cannot run)
-    scorer = make_scorer("qwen-vl", model_path=reward.RANDOM_QWEN, device="meta")
+    scorer = make_scorer("qwen-vl", model_path=ocr_reward.RANDOM_QWEN, device="meta")
     n_params = sum(p.numel() for p in scorer.model.parameters())  # lm_head is tied to the embeddings: counted once
     assert n_params == 3_754_622_976 and round(n_params, -7) == 3.75e9  # Qwen2.5-VL-3B-Instruct's checkpoint
     assert scorer.model.device.type == "meta"
@@ -179,7 +180,7 @@ def test_random_qwen_vl_3b_on_meta():
     processor = scorer.image_processor
     assert (processor.size.shortest_edge, processor.size.longest_edge, processor.patch_size, processor.merge_size) == (
         3136, 12845056, 14, 2)
-    prompt = reward.QWEN_PROMPT.format(image_pads="<|image_pad|>" * 4, instruction=INSTRUCTION)
+    prompt = ocr_reward.QWEN_PROMPT.format(image_pads="<|image_pad|>" * 4, instruction=INSTRUCTION)
     ids = scorer.tokenizer(prompt)["input_ids"]
     assert ids.count(scorer.image_token_id) == 4 and scorer.tokenizer.decode(ids) == prompt
     assert scorer.model.generation_config.eos_token_id == scorer.tokenizer.convert_tokens_to_ids("<|im_end|>")

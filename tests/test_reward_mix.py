@@ -1,4 +1,4 @@
-"""Tests of reward.py's reward mix on CPU: the spec syntax, the mix scorer, and both aggregations of
+"""Tests of reward_mix.py's reward mix on CPU: the spec syntax, the mix scorer, and both aggregations of
 Flow-Factory (sum, gdpo) against a float64 reference written out from its loops, with their
 invariances; one reward of weight 1 gives the trainers' advantages bit for bit.
 
@@ -15,10 +15,12 @@ from PIL import Image, ImageDraw, ImageFont
 
 import crd
 import dgpo
-import reward
-from reward import (GuardedScorer, Judge, MixScorer, ScoringThread, ServerError, component_means,
-                    format_mix, group_standardize, make_mix, mix_advantages, parse_mix,
-                    weighted_sum)
+import ocr_reward
+from judges import Judge
+from ocr_reward import ServerError
+from reward_mix import (MixScorer, component_means, format_mix, group_standardize, make_mix,
+                        mix_advantages, parse_mix, weighted_sum)
+from scoring import GuardedScorer, ScoringThread
 
 # ---- the spec ----------------------------------------------------------------------------------
 
@@ -268,8 +270,8 @@ def test_mix_scores_every_component():
     assert mix.spec == "brightness=0.7 compressibility=0.3"
     scores, texts = mix(pictures(), ["t"] * 4)
     assert scores.shape == (4, 2) and scores.dtype == np.float32 and texts == [""] * 4
-    np.testing.assert_array_equal(scores[:, 0], reward.brightness(pictures())[0])
-    np.testing.assert_array_equal(scores[:, 1], reward.compressibility(pictures())[0])
+    np.testing.assert_array_equal(scores[:, 0], ocr_reward.brightness(pictures())[0])
+    np.testing.assert_array_equal(scores[:, 1], ocr_reward.compressibility(pictures())[0])
     assert component_means(torch.from_numpy(scores), mix.names) == pytest.approx(
         {"brightness": float(scores[:, 0].mean()), "compressibility": float(scores[:, 1].mean())})
     one = make_mix("brightness")
@@ -290,7 +292,7 @@ def test_mix_in_a_scoring_thread_and_after_a_failure():
     def down(images, targets):
         raise ServerError("vLLM server http://127.0.0.1:1 failed 4 attempts")
 
-    mix = MixScorer([Judge("vllm", down), Judge("brightness", reward.brightness, reads="image")],
+    mix = MixScorer([Judge("vllm", down), Judge("brightness", ocr_reward.brightness, reads="image")],
                     {"vllm": 0.8, "brightness": 0.2})
     thread = ScoringThread(GuardedScorer(mix))
     thread.submit(pictures(), ["t"] * 4, ["p"] * 4)
@@ -302,7 +304,7 @@ def test_mix_in_a_scoring_thread_and_after_a_failure():
     working.submit(pictures(3), ["t"] * 3)
     assert working.take()[0].shape == (5, 2) and working.failure is None
     with pytest.raises(ValueError, match="do not match the weights"):
-        MixScorer([Judge("brightness", reward.brightness)], {"flat": 1.0})
+        MixScorer([Judge("brightness", ocr_reward.brightness)], {"flat": 1.0})
 
 
 def test_a_mix_feeds_mix_advantages_as_the_trainers_will():

@@ -1,11 +1,11 @@
-"""PP-OCR in parallel: a pool of single-threaded RapidOCR engines, each reading as reward.PaddleScorer does, and a
+"""PP-OCR in parallel: a pool of single-threaded RapidOCR engines, each reading as ocr_reward.PaddleScorer does, and a
 local server that gives the trainers' `--reward vllm` client those reads.
 
-reward.PaddleScorer reads one image at a time with one engine spread over every core, and several trainers side by
+ocr_reward.PaddleScorer reads one image at a time with one engine spread over every core, and several trainers side by
 side, each with such an engine, slow each other down; one single-threaded engine per core in parallel is what scales.
 
     pool = OcrPool(28)                                 # fork before CUDA is used in this process
-    scores, texts = pool.score(images, targets)         # reward.ocr_score of each read
+    scores, texts = pool.score(images, targets)         # ocr_reward.ocr_score of each read
     with serve(pool) as url:                            # crd.py --reward vllm --reward-urls URL: the same scores
         ...
 """
@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 from PIL import Image
 
-from reward import PaddleScorer, ocr_score
+from ocr_reward import PaddleScorer, ocr_score
 
 _scorer = None  # each worker process's engine
 

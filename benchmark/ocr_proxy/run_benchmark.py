@@ -12,7 +12,7 @@ with the PP-OCR reward at a matched budget, then learning curves, `run.sh compar
 The runs are dealt round-robin over the GPUs (one GPU: all share it; none: the CPU, slowly). `--variants` sweeps trainer
 settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL anchor teaches alone),
 `--final-guidances` scores the final checkpoints at more CFG scales, `--resume` continues runs that `--time-limit-s`
-stopped. The reward is PP-OCR: by default the driver serves reward.PaddleScorer's reads from a pool of
+stopped. The reward is PP-OCR: by default the driver serves ocr_reward.PaddleScorer's reads from a pool of
 single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the in-process
 `--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead.
 Every algorithm gets the same prompts, seeds, iterations, images per iteration and optimizer steps: only the

@@ -1,0 +1,173 @@
+"""The checks of what a trainer or evaluate.py is given, before anything loads, each failing one
+told in one line, `{script}: error: ...`, as argparse tells it: the flags, the local model folders
+that the rewards and judges read, the devices, and a prompt file, model or reward server that
+cannot be read while the models load (loading_errors_as_one_line)."""
+
+import importlib
+import math
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import tyro
+
+from data import DataError
+from judges import judge_names
+from memory import out_of_memory
+from reward_mix import normalize_reward_specs, parse_mix
+from rollout import check_model_path
+
+
+# A flag of several words kept as one string, as --reward qwen-vl=0.8 pickscore=0.2 and
+# --eval-judge paddle flat take them (the trainers' Args annotate those two fields with it)
+WORDS = tyro.constructors.PrimitiveConstructorSpec(
+    nargs="*", metavar="NAME[=WEIGHT] ...", instance_from_str=" ".join,
+    is_instance=lambda value: isinstance(value, str), str_from_instance=str.split)
+
+
+def fail(message):
+    """Exit with status 1 and one line, `{script}: error: {message}`, as argparse does."""
+    sys.exit(f"{Path(sys.argv[0]).name}: error: {message}")
+
+
+def check_numbers(args, bounds):
+    """One line for a float flag that is not finite, or not above ('>') or at least ('>=') its
+    bound."""
+    for flag, (op, bound) in bounds.items():
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and (value > bound if op == ">" else value >= bound)):
+            fail(f"--{flag.replace('_', '-')} {value:g}: must be a finite number {op} {bound:g}")
+
+
+def check_finite(args):
+    """One line for a flag of real numbers (one, or several as --old-decay) holding NaN or inf,
+    which the range checks' comparisons would let through (any comparison with NaN is false)."""
+    for name, value in asdict(args).items():
+        numbers = value if isinstance(value, tuple) else (value,)
+        reals = [n for n in numbers if isinstance(n, float)]
+        if not all(map(math.isfinite, reals)):
+            shown_value = " ".join(f"{n:g}" for n in numbers)
+            fail(f"--{name.replace('_', '-')} {shown_value}: must be finite numbers")
+
+
+SMALLEST = {  # the least value of each whole-number flag
+    "resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "lora_alpha": 1, "num_steps": 2,
+    "train_batch_size": 1, "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0,
+    "eval_steps": 1, "max_sequence_length": 1, "forward_batch_size": 0,
+    "policy_timesteps_per_forward": 1, "max_nonfinite_steps": 1, "reward_retries": 0, "seed": 0,
+    "eval_seed": 0,
+}
+
+
+def check_shared_args(args, check_algorithm_args, train_timestep_grid):
+    """The flags both trainers share, checked before anything loads; a trainer's own checks run at
+    their place among them: `check_algorithm_args(args)`, then the trained timesteps against
+    `train_timestep_grid(grid, args)`."""
+    for flag, least in SMALLEST.items():
+        if getattr(args, flag) < least:
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
+    check_numbers(args, {"learning_rate": (">", 0), "adam_eps": (">", 0), "weight_decay": (">=", 0),
+                         "max_grad_norm": (">", 0), "adv_clip": (">", 0),
+                         "reward_timeout": (">", 0), "eval_guidance": (">=", 1)})
+    if not all(0 <= beta < 1 for beta in args.adam_betas):
+        betas = " ".join(f"{b:g}" for b in args.adam_betas)
+        fail(f"--adam-betas {betas}: each must lie in [0, 1)")
+    if args.seed >= 2**23:  # image seeds (image_seed) stay below 2^63
+        fail(f"--seed {args.seed}: must be below 2^23 = {2**23}")
+    if args.max_sequence_length > 512:
+        fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most "
+             "512 tokens")
+    try:  # canonical, as checkpoints and run names record them
+        args.reward, args.eval_judge = normalize_reward_specs(
+            args.reward, args.eval_judge, "--eval-judge", args.reward_urls, args.aesthetic_head,
+            judged=bool(args.eval_every))
+    except ValueError as error:
+        fail(error)
+    if args.eval_every and args.eval_prompts < 1:
+        fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns "
+             "validation off)")
+    if args.overwrite and args.resume_from:
+        fail("--overwrite with --resume-from: a resume continues the run, it never replaces it")
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size}: centering needs at least 2 images per prompt")
+    images = args.prompts_per_rank * args.group_size
+    if args.train_batch_size % args.group_size or images % args.train_batch_size:
+        fail(f"--train-batch-size {args.train_batch_size} must be a multiple of --group-size "
+             f"{args.group_size} that divides the {images} images per rank: whole prompt groups "
+             "per micro batch")
+    if args.resolution % 16:
+        fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size "
+             "2)")
+    if args.track:
+        check_tracking()
+    check_algorithm_args(args)
+    check_finite(args)  # NaN or inf that the range checks let through: an EMA schedule's slope
+    trainable = len(train_timestep_grid(range(args.num_steps), args))
+    if not 1 <= args.num_train_timesteps <= trainable:
+        fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
+             f"trained steps of the {args.num_steps}-step rollout grid")
+    check_devices(args, "the trainers run")
+
+
+def check_tracking():
+    """--track needs wandb, an optional extra: one line if it is not installed."""
+    try:
+        importlib.import_module("wandb")
+    except ImportError as error:
+        fail(f"--track: wandb is not installed ({error}); install it with "
+             "pip install -r requirements-track.txt")
+
+
+def scorers_of(args):
+    """The names of the scorers a run loads: --reward's (its one reward, or a mix's components)
+    and, when it validates, --eval-judge's."""
+    judges = judge_names(args.eval_judge) if args.eval_every else []
+    return set(parse_mix(args.reward)) | set(judges)
+
+
+def check_judge_models(args, names):
+    """A local --pickscore-model, --pickscore-processor or --aesthetic-model that holds no such
+    model, or an --aesthetic-head that is no file, as a RuntimeError naming the flag, for the
+    rewards and judges `names` that read them; before anything loads."""
+    if "pickscore" in names:
+        check_model_path(args.pickscore_model, "--pickscore-model", "config.json",
+                         "a transformers model")
+        check_model_path(args.pickscore_processor, "--pickscore-processor",
+                         "preprocessor_config.json", "an image processor")
+    if "aesthetic" in names:
+        for marker, kind in (("config.json", "a transformers model"),
+                             ("preprocessor_config.json", "an image processor")):
+            check_model_path(args.aesthetic_model, "--aesthetic-model", marker, kind)
+        if not Path(args.aesthetic_head).is_file():
+            raise RuntimeError(f"--aesthetic-head {args.aesthetic_head}: no such file (the LAION "
+                               "head, sac+logos+ava1-l14-linearMSE.pth)")
+
+
+def check_devices(args, runs_on):
+    """--device, --reward-device and --text-encoder-device (empty: the actor's) name a cpu or cuda
+    device this machine has; `runs_on` says who in the error, e.g. "evaluate.py runs"."""
+    for flag in ("device", "reward_device", "text_encoder_device"):
+        name = getattr(args, flag)
+        option = f"--{flag.replace('_', '-')}"
+        try:
+            index = torch.device(name).index if name else None
+        except RuntimeError:
+            fail(f"{option} {name}: not a torch device (cpu, cuda, cuda:1, ...)")
+        if name and torch.device(name).type not in ("cpu", "cuda"):
+            fail(f"{option} {name}: {runs_on} on cpu or cuda devices")
+        if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
+            fail(f"{option} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+@contextmanager
+def loading_errors_as_one_line():
+    """A prompt file, model or reward server that cannot be read ends the program with one line;
+    a failed allocation goes on to Run's line, which names the phase and the flags."""
+    try:
+        yield
+    except (DataError, OSError, RuntimeError) as error:
+        if out_of_memory(error):
+            raise
+        fail(error)

@@ -1,0 +1,122 @@
+"""The ranks of a run: this rank's device and the process group it joins, the check that every
+rank runs the same settings, tensors averaged and gathered over the ranks, the stop that every rank
+agrees on, and leaving the group in step."""
+
+import os
+import signal
+import sys
+from dataclasses import asdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import PROMPT_FILES, prompt_files_sha256
+
+
+def actor_device(name, world_size):
+    """This rank's device from --device; with several ranks (torchrun), it first joins their
+    process group, and a CUDA rank takes cuda:LOCAL_RANK."""
+    device = torch.device(name)
+    if world_size > 1:
+        # ranks wait for rank 0's validation and each other's first compile: past the default 10 min
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=60))
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+    elif device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda:0" in summary.json
+    return device
+
+
+# per node: its devices, its reward servers, and paths a node may mount elsewhere (contents count)
+PER_NODE = ("device", "text_encoder_device", "reward_device", "reward_urls", "reward_timeout",
+            "reward_retries", "output_dir", "resume_from", "train_data", "eval_data", "model",
+            "reward_model", "pickscore_model", "pickscore_processor", "aesthetic_model",
+            "aesthetic_head")
+
+
+def shared_settings(args, algorithm):
+    """{what: value} of what every rank must run alike: the trainer, every flag but PER_NODE's (as
+    the command line spells them) and the contents of the prompt files."""
+    settings = {"the trainer": algorithm}
+    settings |= {f"--{name.replace('_', '-')}": value for name, value in asdict(args).items()
+                 if name not in PER_NODE}
+    hashes = prompt_files_sha256(vars(args))
+    for field, flag in PROMPT_FILES.items():
+        digest = hashes.get(field)
+        settings[f"{flag} contents"] = f"sha256 {digest[:16]}" if digest else "unreadable"
+    return settings
+
+
+def shown(value):
+    """A setting's value as the command line writes it."""
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value))
+    return '""' if value == "" else str(value)
+
+
+def settings_mismatch(settings, rank):
+    """One line on what differs from rank 0's in `settings` (shared_settings of every rank, by
+    rank), naming this rank's value where this rank differs, else the first rank that does; None
+    where every rank agrees."""
+    differing = [other for other, theirs in enumerate(settings) if theirs != settings[0]]
+    if not differing:
+        return None
+    other = rank if rank in differing else differing[0]
+    first, theirs = settings[0], settings[other]
+    names = [name for name in first | theirs if first.get(name) != theirs.get(name)]
+    if first["the trainer"] != theirs["the trainer"]:  # its flags differ too: this says it all
+        names = ["the trainer"]
+    differences = "; ".join(f"{name} {shown(first.get(name, '(absent)'))} on rank 0, "
+                            f"{shown(theirs.get(name, '(absent)'))} on rank {other}"
+                            for name in names)
+    return (f"settings differ between ranks: {differences} (every rank must run the same settings: "
+            "start every node with the same flags)")
+
+
+def all_mean_(tensors, world_size):
+    """Average tensors in place over ranks with one flat all-reduce."""
+    if world_size > 1:
+        flat = torch.cat([t.flatten() for t in tensors]) / world_size
+        dist.all_reduce(flat)
+        for t, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+            t.copy_(reduced)
+
+
+def gather(tensor, world_size):
+    """(N, ...) on each rank -> (world_size * N, ...), rank-major, on every rank."""
+    if world_size == 1:
+        return tensor
+    out = tensor.new_empty(world_size * len(tensor), *tensor.shape[1:])
+    dist.all_gather_into_tensor(out, tensor.contiguous())
+    return out
+
+
+def agreed_stop(signum, nonfinite_streak, max_nonfinite_steps, scorer_failure, device, world_size):
+    """(signal number or 0, what stopped the run or None), the same on every rank: a signal to any
+    rank, too many consecutive non-finite gradients, or a failed scorer stops every rank (a
+    collective: every rank calls it)."""
+    diverged = nonfinite_streak >= max_nonfinite_steps
+    stop = torch.tensor([signum or 0, diverged, bool(scorer_failure)], device=device)
+    if world_size > 1:
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # a signal to any rank stops every rank
+    stop_signal, diverged, failed = stop.tolist()
+    if stop_signal:
+        return stop_signal, signal.Signals(stop_signal).name
+    if diverged:
+        return stop_signal, f"{nonfinite_streak} consecutive non-finite gradients"
+    if failed:
+        return stop_signal, scorer_failure or "the reward failed on another rank"
+    return stop_signal, None
+
+
+def leave_process_group():
+    """Tear the process group down in step with the other ranks and flush this rank's output; a
+    distributed trainer then ends in os._exit, as gloo's threads now and then abort the
+    interpreter's teardown ("terminate called without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()

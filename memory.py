@@ -1,0 +1,119 @@
+"""Memory: about what one iteration holds at its peak, held against the memory there is before the
+run starts (memory_error), and a failed allocation told in one line that names the phase and the
+flags that lower it (one_line_on_out_of_memory)."""
+
+import os
+import resource
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rollout import available_host_memory
+
+
+# Values a transformer block keeps per token and hidden unit for its backward: 34 bytes at 16 bits
+# (Korthikanti et al. 2022, less the attention matrix, which fused attention does not keep). The
+# tiny model's policy forward keeps 1.5 MB a row, 17 of its float32 values per token and unit.
+ACTIVATIONS_PER_TOKEN = 17
+
+
+def iteration_memory(args, pipe, dtype):
+    """About the bytes an iteration holds at its peak for this rank's images: [(what, bytes, on
+    the host)]. The model, the optimizer and the work of the no-grad forwards come on top."""
+    config = pipe.transformer.config
+    size = dtype.itemsize
+    images = args.prompts_per_rank * args.group_size
+    rows = images * args.num_train_timesteps
+    side = args.resolution // pipe.vae_scale_factor
+    latent = config.in_channels * side**2  # values of one image's latents
+    text_tokens = pipe.tokenizer_max_length + args.max_sequence_length
+    tokens = (side // config.patch_size) ** 2 + text_tokens
+    hidden = config.num_attention_heads * config.attention_head_dim
+    layers = config.num_layers
+    kept = ACTIVATIONS_PER_TOKEN * layers
+    if args.gradient_checkpointing:  # each block's input, and one block's while it is recomputed
+        kept = layers + ACTIVATIONS_PER_TOKEN
+    policy_rows = args.train_batch_size * min(args.policy_timesteps_per_forward,
+                                              args.num_train_timesteps)
+    # a copy per training row while the reference and old passes run
+    return [("prompt embeddings", (images + rows) * text_tokens * config.joint_attention_dim * size,
+             False),
+            ("latents", images * latent * 4, False),
+            ("training rows and their reference and old velocities", rows * latent * (8 + 2 * size),
+             False),
+            ("decoded images", images * args.resolution**2 * 3, True),
+            (f"activations of a policy forward of {policy_rows} rows",
+             policy_rows * tokens * hidden * kept * size, False)]
+
+
+def memory_error(args, pipe, dtype, device):
+    """Why an iteration's images cannot fit this rank's memory (iteration_memory's estimate against
+    the memory there is), in one line, or None. Ranks on one host share its memory."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    pools = {}  # {where: [(what, bytes)]}
+    for what, size, on_host in iteration_memory(args, pipe, dtype):
+        where = "cpu" if on_host or device.type == "cpu" else "cuda"
+        pools.setdefault(where, []).append((what, size * (ranks_here if where == "cpu" else 1)))
+    for where, parts in pools.items():
+        if where == "cuda":  # what this process does not hold (the models): others' use may pass
+            have = torch.cuda.get_device_properties(device).total_memory
+            have -= torch.cuda.memory_reserved(device)
+            there = f"on {device}, which has {have / 2**30:.1f} GiB beside this process's models"
+        else:
+            have = available_host_memory()
+            ranks = f" for {ranks_here} ranks" if ranks_here > 1 else ""
+            there = f"of the CPU's memory{ranks}, which has {(have or 0) / 2**30:.1f} GiB available"
+        need = sum(size for _, size in parts)
+        if have is None or need <= have:
+            continue
+        counted = ", ".join(f"{what} {size / 2**30:.1f}" for what, size in parts)
+        return (f"--prompts-per-rank {args.prompts_per_rank} x --group-size {args.group_size} = "
+                f"{args.prompts_per_rank * args.group_size} images need about {need / 2**30:.1f} "
+                f"GiB {there} ({counted} GiB; the model and its other work come on top): lower "
+                "--group-size or --prompts-per-rank, or --policy-timesteps-per-forward, or add "
+                "--gradient-checkpointing")
+    return None
+
+
+def out_of_memory(error):
+    """Whether an exception is a failed allocation: CUDA's, or the CPU allocator's (torch's or
+    Python's)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def memory_in_use(device):
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use on {device}"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return f"{peak:.1f} GiB peak resident memory on the CPU"
+
+
+def one_line_on_out_of_memory(device, phase, remedy, keep):
+    """From now on, an allocation that fails ends the program with one line on stderr:
+    `{script}: error: out of memory in {phase()} ({memory in use}): {remedy}; {keep(stopped_by)}`,
+    keep saving what it can and saying what is kept. Any other exception keeps its traceback."""
+    excepthook = sys.excepthook
+
+    def hook(kind, error, trace):
+        if not out_of_memory(error):
+            return excepthook(kind, error, trace)
+        traceback.clear_frames(trace)  # the failed step's tensors go
+        stopped_by = f"out of memory in {phase()} ({memory_in_use(device)})"
+        kept = keep(stopped_by)
+        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: {remedy}; {kept}", file=sys.stderr,
+              flush=True)
+        if dist.is_initialized():
+            os._exit(1)  # the other ranks wait in a collective: torchrun ends them
+
+    sys.excepthook = hook
+
+
+TRAINER_MEMORY_FLAGS = ("lower --forward-batch-size or --policy-timesteps-per-forward, or add "
+                        "--gradient-checkpointing or move the text encoders with "
+                        "--text-encoder-device")

@@ -1,0 +1,362 @@
+"""One start of a training run on this rank (Run): the ranks and device, the run directory
+(locked by the main process) and its resume, stop signals, the state that checkpoints hold,
+TensorBoard (and Weights & Biases with --track), the progress bar, the stop that every rank agrees
+on, checkpoints, summary.json and the exit status.
+
+    run = Run(args, "crd")                      # ranks, run directory and its lock, stop signals
+    compiler = Compiler(args, run.device, run.world_size)   # before the models load
+    compiler.compile(pipe)
+    state = run.start(transformer, optimizer, sampler, pipe)  # a new run's state, or the resumed
+    for iteration in run.iterations(state, compiler):
+        ...
+    run.finish()                                # summary.json and the exit status
+"""
+
+import json
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import google_crc32c
+import torch
+import torch.distributed as dist
+from tensorboard.summary.writer import record_writer
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from checkpoint import (EVAL_SCORES, GracefulStop, RunComplete, RunError, actor_peak_memory,
+                        checkpoints, prepare_run, prompt_files_sha256,
+                        remove_unused_run_directories, save_checkpoint, save_last_iteration,
+                        start_state, summary_of_state)
+from checks import check_judge_models, fail, scorers_of
+from data import load_train_and_eval_prompts
+from distributed import (actor_device, agreed_stop, all_mean_, gather, leave_process_group,
+                         settings_mismatch, shared_settings)
+from iteration import PhaseTimer
+from memory import TRAINER_MEMORY_FLAGS, memory_error, one_line_on_out_of_memory
+from ocr_reward import check_reward_model
+from reward_mix import parse_mix
+from rollout import check_model_path, nonfinite_images, warn_cut_targets
+from scoring import reward_stats
+
+
+WANDB_RUN_ID = "wandb_run_id"  # in the run directory: a resume continues the same W&B run
+
+
+def start_tracking(args, run_dir, resumed):
+    """--track: the run in Weights & Biases (as cleanRL does it), its TensorBoard scalars synced,
+    so before the SummaryWriter is made; a resumed run continues the W&B run it had."""
+    import wandb
+
+    id_file = Path(run_dir) / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: new
+    # the run directory as TensorBoard's root: else wandb waits 10 s for more log directories
+    wandb.tensorboard.patch(root_logdir=str(run_dir))
+    tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
+                          sync_tensorboard=True, config=vars(args), name=Path(run_dir).name,
+                          id=run_id, resume="allow")
+    id_file.write_text(tracking.id + "\n")
+    return tracking
+
+
+def masked_crc32c(data):
+    """TensorBoard's record checksum (CRC-32C, masked), computed in C by google-crc32c."""
+    crc = google_crc32c.value(bytes(data))
+    return (((crc >> 15) | (crc << 17) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# TensorBoard's own loop runs in pure Python in its writer thread: a validation grid's record held
+# the GIL for ~2 s and slowed the next rollout's kernel launches by as much (benchmark/RESULTS.md)
+record_writer.masked_crc32c = masked_crc32c
+
+
+def keep_eval_scores_until(run_dir, iteration):
+    """A resumed run's EVAL_SCORES keeps the validations of its first `iteration` iterations (a
+    stop after a validation and before its checkpoint validates that iteration again); a torn last
+    line goes too. Replaced at once, never left half written."""
+    path = Path(run_dir) / EVAL_SCORES
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    partial = path.with_name(f".{EVAL_SCORES}.tmp")
+    partial.write_text("".join(kept))
+    partial.replace(path)
+
+
+def run_exit_code(stop_signal, stopped_by, iterations_done, run_dir):
+    """The run's exit status: 128 + the signal that stopped it (the shell's convention); 1 for any
+    other stop (non-finite gradients, a failed scorer), said in one line on stderr; else 0."""
+    if stop_signal:
+        return 128 + stop_signal
+    if stopped_by:
+        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: stopped after iteration "
+              f"{iterations_done} (the latest checkpoint is in {run_dir})", file=sys.stderr)
+        return 1
+    return 0
+
+
+class Run:
+    """One start of a training run on this rank: the ranks and device, the run directory (locked by
+    the main process), stop signals, the state that checkpoints hold, TensorBoard and the progress
+    bar, the stop that every rank agrees on, checkpoints, summary.json and the exit status."""
+
+    def __init__(self, args, algorithm):
+        self.args = args
+        self.algorithm = algorithm
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        self.main_process = self.rank == 0
+        try:
+            self.dir, self.lock = prepare_run(args, algorithm, self.world_size, self.main_process)
+        except RunComplete as complete:
+            if complete.exit_code:
+                fail(complete)
+            if self.main_process:
+                print(f"{Path(sys.argv[0]).name}: {complete}", flush=True)
+            sys.exit(0)  # --resume-from latest: a requeued job or a restart found nothing left
+        except RunError as error:
+            fail(error)
+        self.signals = GracefulStop()  # on every rank, before the models load
+        self.device = actor_device(args.device, self.world_size)  # several ranks: joins their group
+        self.check_same_settings()  # the first collective: before any could hang or mix settings
+        cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.autocast = torch.autocast("cuda", torch.bfloat16) if cuda else nullcontext()
+        self.writer = None
+        self.tracking = None  # the W&B run of --track (main process)
+        self.bar = None
+        self.stop_signal = 0
+        self.stopped_by = None
+        self.state = None
+        self.phase = "loading the models"  # None: an iteration's, told by its timer's laps
+        self.iteration_timer = None
+        self.steps_when_saved = None  # the optimizer steps of the last completed iteration
+        self.nonfinite_before = 0  # rollout.nonfinite_images() when the iteration began
+        self.warned = {}  # {what: (where it was first, how often)} (warn)
+        self.reward_weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
+        self.failed_judges = {}  # {judge: why}, of this start (Validation)
+        self.validation_adapter = None  # the adapter Validation samples: checkpoints record it
+        one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
+                                  self.keep_after_out_of_memory)
+
+    def check_same_settings(self):
+        """Every rank's shared_settings against rank 0's: where any differs, every rank prints the
+        same line naming the settings and their values, and all exit 1 together."""
+        if self.world_size == 1:
+            return
+        settings = [None] * self.world_size
+        dist.all_gather_object(settings, shared_settings(self.args, self.algorithm))
+        if mismatch := settings_mismatch(settings, self.rank):
+            print(f"{Path(sys.argv[0]).name}: error: {mismatch}", file=sys.stderr, flush=True)
+            remove_unused_run_directories()  # a directory this start made: os._exit skips atexit
+            leave_process_group()
+            os._exit(1)
+
+    def read_inputs(self):
+        """(train prompts, eval prompts), the model paths checked; --dry-run exits here."""
+        args = self.args
+        train_set, eval_set = load_train_and_eval_prompts(args, self.world_size, self.main_process)
+        self.prompt_sha256 = prompt_files_sha256(vars(args))  # as read: a later edit is refused
+        self.train_set = train_set
+        self.eval_set = eval_set
+        check_model_path(args.model)
+        scorers = scorers_of(args)
+        if "qwen-vl" in scorers:
+            check_reward_model(args.reward_model)
+        check_judge_models(args, scorers)
+        if args.dry_run:  # how run.sh checks a run before it starts a reward server
+            print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval "
+                  "prompts")
+            sys.exit(0)
+        return train_set, eval_set
+
+    def start(self, transformer, optimizer, sampler, pipe):
+        """The run's state: a new run's, or --resume-from's (adapters, optimizer and sampler
+        restored too); opens TensorBoard on the main process."""
+        args = self.args
+        if error := memory_error(args, pipe, self.dtype, self.device):  # before minutes of work
+            fail(error)
+        try:
+            state = start_state(args, transformer, optimizer, sampler, self.device, self.world_size,
+                                self.algorithm, self.prompt_sha256, self.validation_adapter)
+        except RunError as error:
+            fail(error)
+        if self.main_process:
+            purge = state["iteration"] + 1 if state["iteration"] else None
+            keep_eval_scores_until(self.dir, state["iteration"])
+            if args.track:
+                self.tracking = start_tracking(args, self.dir, resumed=bool(state["iteration"]))
+            self.writer = SummaryWriter(self.dir, purge_step=purge)
+            table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
+            images = args.prompts_per_rank * args.group_size
+            print(f"run {self.dir}: {self.world_size} rank(s) x {args.prompts_per_rank} prompts x "
+                  f"{args.group_size} images = {self.world_size * images} images per iteration, "
+                  f"{images // args.train_batch_size} optimizer step(s) per rank, "
+                  f"T={args.num_train_timesteps}; {len(self.train_set)} train prompts, "
+                  f"{len(self.eval_set)} eval prompts")
+            warn_cut_targets(self.train_set + self.eval_set, pipe, args.max_sequence_length)
+        self.state = state
+        self.transformer = transformer
+        self.optimizer = optimizer
+        self.steps_when_saved = state["optimizer_steps"]
+        self.phase = None
+        return state
+
+    def iterations(self, state, compiler):
+        """The iterations left (a progress bar on the main process); the compile workers are waited
+        for before the first, and the compile cache saved after it."""
+        compiler.wait()
+        remaining = range(state["iteration"], self.args.num_iterations)
+        self.bar = tqdm(remaining, initial=state["iteration"], total=self.args.num_iterations,
+                        disable=not self.main_process, desc="iterations")
+        for done, iteration in enumerate(self.bar):
+            self.nonfinite_before = nonfinite_images()
+            yield iteration
+            if done == 0:
+                compiler.save()
+
+    def progress(self, iterable, desc):
+        """A progress bar on the main process for what takes long (shown after 5 s)."""
+        return tqdm(iterable, desc=desc, disable=not self.main_process, delay=5.0, leave=False)
+
+    def timer(self):
+        self.iteration_timer = PhaseTimer(self.device)
+        return self.iteration_timer
+
+    def gather(self, tensor):
+        """(N, ...) on each rank -> (world_size * N, ...), rank-major, on every rank."""
+        return gather(tensor, self.world_size)
+
+    def average(self, tensors):
+        """Average tensors in place over the ranks."""
+        all_mean_(tensors, self.world_size)
+
+    def reward_failed(self, rewards, scorer):
+        """A NaN reward, on any rank: its scorer failed, and every rank stops before training."""
+        if not rewards.isnan().any():
+            return False
+        self.stopped_by = scorer.failure or "the reward failed on another rank"
+        return True
+
+    def end_iteration(self, iterations, sampler, rewards, logged):
+        """The state after `iterations` iterations (a resume from here draws what follows), and the
+        scalars `logged` with the rewards' in TensorBoard and the progress bar."""
+        self.state.update(iteration=iterations, sampler=sampler.state_dict())
+        self.state["iteration_s"].append(logged["perf/iteration_s"])
+        self.steps_when_saved = self.state["optimizer_steps"]
+        self.iteration_timer = None
+        if bad := nonfinite_images() - self.nonfinite_before:
+            images = self.args.prompts_per_rank * self.args.group_size
+            self.warn("rollout images were NaN or inf", f"iteration {iterations}",
+                      f"{bad} of {images} rollout images are NaN or inf (a diverged policy?): they "
+                      "decode black and are scored as black images")
+        if not self.main_process:
+            return
+        logged = {**reward_stats(rewards, self.args.group_size, self.reward_weights), **logged}
+        if float(logged["train/zero_std_group_frac"]) == 1:
+            self.warn("every prompt group's reward had std 0", f"iteration {iterations}",
+                      f"every prompt group's images got the same reward (std 0 in all "
+                      f"{len(rewards) // self.args.group_size} groups): the advantages are 0, so "
+                      "the reward gives no learning signal (a constant reward?)")
+        for tag, value in logged.items():
+            self.writer.add_scalar(tag, float(value), iterations)
+        self.bar.set_postfix(reward=f"{float(logged['train/reward_mean']):.3f}",
+                             loss=f"{float(logged['losses/loss']):.4f}",
+                             s=f"{logged['perf/iteration_s']:.1f}")
+
+    def agreed_stop(self, iterations, optimizer_step, scorer):
+        """Whether every rank stops now: a signal to any rank, too many non-finite gradients in a
+        row, or a failed scorer (a collective). Records the peak memory of every rank first."""
+        peaks = actor_peak_memory(self.device, self.world_size)  # after validation: it may peak
+        state_peaks = self.state["peak_mem_gib"]
+        self.state["peak_mem_gib"] = {k: max(v, state_peaks.get(k, 0.0)) for k, v in peaks.items()}
+        self.stop_signal, self.stopped_by = agreed_stop(
+            self.signals.signum, optimizer_step.nonfinite_streak, self.args.max_nonfinite_steps,
+            scorer.failure, self.device, self.world_size)  # the scorer may fail in validation
+        if self.main_process:
+            self.writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iterations)
+        return bool(self.stopped_by)
+
+    def warn(self, what, where, message):
+        """A warning of what spoils training without stopping it, printed the first time (naming
+        `where`); later ones are counted, and the end of the run prints the count."""
+        first, count = self.warned.get(what, (where, 0))
+        self.warned[what] = (first, count + 1)
+        if not count:
+            rank = f"rank {self.rank}: " if self.world_size > 1 else ""
+            print(f"{rank}{where}: warning: {message} (warned once: the end of the run counts "
+                  "them)", flush=True)
+
+    def save_if_due(self):
+        """A checkpoint every --save-every iterations and at the end (main process)."""
+        iterations = self.state["iteration"]
+        due = iterations % self.args.save_every == 0 or iterations == self.args.num_iterations
+        if self.main_process and due:
+            save_last_iteration(self.dir, self.state, self.transformer, self.optimizer,
+                                self.args.keep_last)
+
+    def keep_after_out_of_memory(self, stopped_by):
+        """After a failed allocation: the last completed iteration is saved, unless the failed one
+        had already stepped the optimizer (its checkpoint on disk stands then), and summary.json
+        says what stopped the run. Returns what is kept, in words."""
+        self.stopped_by = stopped_by
+        state = self.state
+        saved = None
+        if self.main_process and state and state["iteration"]:
+            if state["optimizer_steps"] == self.steps_when_saved:
+                try:
+                    saved = save_checkpoint(self.dir, state["iteration"], self.transformer,
+                                            self.optimizer, state, self.args.keep_last)
+                except RunError as save_error:
+                    print(f"{Path(sys.argv[0]).name}: error: {save_error}", file=sys.stderr)
+            self.write_summary()
+        latest = saved or (checkpoints(self.dir)[-1:] or [None])[0]
+        return f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
+
+    def current_phase(self):
+        """Loading, a validation, or the rollout or training of the iteration under way."""
+        if self.phase:
+            return self.phase
+        laps = self.iteration_timer.seconds if self.iteration_timer else {}
+        part = "training" if "rollout_s" in laps else "rollout"
+        return f"the {part} of iteration {self.state['iteration'] + 1}"
+
+    def write_summary(self):
+        # a signal after the last iteration cut nothing short; an error there (a diverged step) did
+        done = self.state["iteration"] >= self.args.num_iterations
+        stopped_by = None if self.stop_signal and done else self.stopped_by
+        summary = summary_of_state(self.dir, self.state, stopped_by, self.device,
+                                   self.failed_judges)
+        self.writer.close()
+        return summary
+
+    def finish(self):
+        """A stopped run keeps its last completed iteration; summary.json; exit with the status."""
+        state = self.state
+        rank = f"rank {self.rank}: " if self.world_size > 1 else ""
+        for what, (first, count) in self.warned.items():
+            print(f"{rank}warning: {what} {count} time(s), first in {first}", flush=True)
+        if self.main_process and self.stopped_by and state["iteration"]:
+            save_last_iteration(self.dir, state, self.transformer, self.optimizer,
+                                self.args.keep_last, self.stopped_by)
+        if self.main_process:
+            print(json.dumps(self.write_summary(), indent=1))
+            # the first line named the run directory, many progress lines ago
+            print(f"run {self.dir}: summary.json, TensorBoard events and checkpoints", flush=True)
+        exit_code = run_exit_code(self.stop_signal, self.stopped_by, state["iteration"], self.dir)
+        if self.tracking:  # before os._exit below, which skips wandb's own exit hook
+            self.tracking.finish(exit_code=exit_code)
+        if self.world_size > 1:
+            leave_process_group()
+            os._exit(exit_code)  # skips the interpreter's teardown, where gloo's threads may abort
+        if exit_code:
+            sys.exit(exit_code)
