@@ -146,8 +146,9 @@ DAMAGE = {  # what happened to the newest checkpoint, and the line that says why
                                  "its adapters.safetensors cannot be read (Error while "
                                  "deserializing header: incomplete metadata, file not fully "
                                  "covered)"),
+    # json's reason depends on where the half ends (the state holds the run's path): any of them
     "trainer_state.json cut": (lambda step: cut(step / "trainer_state.json"),
-                               "its trainer_state.json cannot be read (Expecting"),
+                               "its trainer_state.json cannot be read ("),
     "trainer_state.json lost": (lambda step: (step / "trainer_state.json").unlink(),
                                 "incomplete (no trainer_state.json)"),
 }
