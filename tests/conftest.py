@@ -12,6 +12,31 @@ import rollout
 # several-fold.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+# compile inductor's kernels in-process: a subprocess pool only adds start-up on two busy cores
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
+
+def shares_a_module_fixture(item) -> bool:
+    """Whether `item` uses a module- or session-scoped fixture of its own test module."""
+    module, fixtures = item.nodeid.split("::")[0], item._fixtureinfo.name2fixturedefs
+    defs = [fixtures[name][-1] for name in item.fixturenames if fixtures.get(name)]
+    return any(d.scope in ("module", "session") and d.baseid == module for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(items):
+    """Schedule the tests for pytest.ini's two workers (--dist loadgroup, in this order).
+
+    A module fixture runs once on every worker that runs a test using it: the tests that share one
+    of their module's (a trainer run, say) are one group, run on one worker. The groups and the
+    tests marked long start first, so that short tests end the run and both workers end together.
+    """
+    for item in items:
+        if shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    first = {item: any(item.iter_markers("long")) or any(item.iter_markers("xdist_group"))
+             for item in items}
+    items.sort(key=lambda item: not first[item])  # stable: each part keeps its order
 
 
 @pytest.fixture(scope="session")

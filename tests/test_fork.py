@@ -67,6 +67,7 @@ def test_the_docs_fork_example_trains(tiny_model_dir, tmp_path):
     assert scalars(run, "losses/kl_loss")[1] > 0 and scalars(run, "losses/policy_loss")[1] > 0
 
 
+@pytest.mark.long
 def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tmp_path):
     """docs/fork.md's on-policy fork changes module-level names alone (the loop is crd.py's): its
     validation samples the policy, whose scores move from the base's as it trains, its checkpoint

@@ -380,6 +380,7 @@ def test_prompt_files_edited_during_a_run_are_refused_at_resume(lora_transformer
         resume(dataclasses.replace(args, dry_run=True), step)
 
 
+@pytest.mark.long
 def test_overwrite_replaces_the_previous_run(tiny_model_dir, tmp_path):
     train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 0, "--save-every", 1)
     refused = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 0, check=False)
@@ -426,6 +427,7 @@ def test_a_dry_run_checks_the_run_directory_without_creating_it(tiny_model_dir, 
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["summary.json"]
 
 
+@pytest.mark.long
 def test_a_reward_server_that_dies_mid_run_stops_the_run_with_the_last_iteration_saved(tiny_model_dir, tmp_path):
     """A real HTTP reward server (tests/ocr_server.py) goes down once the first iteration's images are scored: the
     second iteration's requests fail through their retries, the run stops before training on them, with one line naming

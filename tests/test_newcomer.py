@@ -75,6 +75,7 @@ def run(argv, work, env, timeout):
     return result
 
 
+@pytest.mark.long
 def test_readme_demo_then_evaluate_compare_and_lora_snippet_work_as_written(
         tiny_model_dir, tmp_path):
     demo = readme_command("python crd.py --model tiny")

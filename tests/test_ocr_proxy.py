@@ -143,6 +143,7 @@ def test_the_pool_server_queues_the_connections_of_nine_runs_at_once():
                 sock.close()
 
 
+@pytest.mark.long
 def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(tmp_path):
     """run_benchmark end to end on the tiny model: real crd.py and nft.py subprocesses on the pool's PP-OCR reward
     (dgpo.py's command is crd.py's without CRD's snapshot flags),
@@ -217,6 +218,7 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
         f"grid_{name}_{label}" for name in runs for label in ("first", "last"))
 
 
+@pytest.mark.long
 def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_path):
     """--resume: a benchmark that ended after 1 of its iterations (as --time-limit-s ends one) goes on from each run's
     checkpoint to the curves and adapters of a benchmark that ran straight through."""

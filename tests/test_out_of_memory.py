@@ -106,6 +106,7 @@ EVALUATE = ["--eval-data", str(DATA / "test.txt"), "--num-prompts", "8", "--batc
             "--resolution", "64", "--num-steps", "10", "--name", "base"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind, fail_at, phase, kept", [
     ("load", 1, "loading the models", 0),
     # 10 steps of one transformer call per chunk of 4 prompts: the 15th is the second chunk's

@@ -53,6 +53,7 @@ def test_only_a_cold_start_of_one_rank_that_validates_first_starts_workers(tmp_p
         assert workers.passes == [] and workers.workers == []
 
 
+@pytest.mark.long
 def test_workers_compile_the_graphs_that_the_trainer_then_finds_in_the_caches(tmp_path, monkeypatch):
     """A worker makes the policy's grad pass on the smallest model of a 3-block tiny SD3 (two dual-attention blocks,
     the last) into an empty inductor cache; while it runs, eager() keeps compiled code from compiling. A fresh process

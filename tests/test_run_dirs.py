@@ -132,6 +132,15 @@ def cut(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+def json_error(path):
+    """json's own message for a file it cannot read."""
+    try:
+        json.loads(path.read_text())
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"{path} is whole JSON")
+
+
 def contents(run_dir):
     """{relative path: bytes} of every file of a run directory."""
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
@@ -146,9 +155,10 @@ DAMAGE = {  # what happened to the newest checkpoint, and the line that says why
                                  "its adapters.safetensors cannot be read (Error while "
                                  "deserializing header: incomplete metadata, file not fully "
                                  "covered)"),
-    # json's reason depends on where the half ends (the state holds the run's path): any of them
+    # where the half ends (in a key's string, or not) decides json's message
     "trainer_state.json cut": (lambda step: cut(step / "trainer_state.json"),
-                               "its trainer_state.json cannot be read ("),
+                               lambda step: "its trainer_state.json cannot be read "
+                                            f"({json_error(step / 'trainer_state.json')})"),
     "trainer_state.json lost": (lambda step: (step / "trainer_state.json").unlink(),
                                 "incomplete (no trainer_state.json)"),
 }
@@ -163,6 +173,7 @@ def test_latest_skips_a_damaged_newest_checkpoint_in_one_line(saved_twice, tiny_
     shutil.copytree(saved_twice, tmp_path / "run")
     corrupt, why = DAMAGE[damage]
     corrupt(tmp_path / "run" / "global_step_2")
+    why = why(tmp_path / "run" / "global_step_2") if callable(why) else why
     before = contents(tmp_path / "run")
     result = train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--resume-from",
                    "latest", "--dry-run", check=False)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -30,6 +31,7 @@ def train(tiny_model_dir, out, *extra):
     return result.stdout.splitlines()
 
 
+@pytest.mark.long
 def test_nan_images_of_a_diverged_sampling_adapter_are_warned_once_and_counted(tiny_model_dir,
                                                                                tmp_path):
     """A checkpoint whose sampling adapter holds a NaN weight (as a diverged EMA would) renders NaN

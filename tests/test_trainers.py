@@ -240,6 +240,7 @@ def test_interrupted_checkpoint_is_never_picked_up(tmp_path, tiny_model_dir, mon
     assert result.returncode != 0 and "not a checkpoint directory" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_finishes_the_iteration_saves_and_says_the_run_stopped(signum, exit_code, tmp_path, tiny_model_dir):
     """While the run lives, a second process naming its directory is refused (the lock); after the signal the run
@@ -364,6 +365,7 @@ def test_nonfinite_gradients_in_the_last_iteration_leave_a_summary_saying_so(tin
     assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_1"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_learning_raises_a_cheap_reward(script, tiny_model_dir, tmp_path):
     """Brightness on the tiny model: the training reward must rise clearly above its start within ~20 CPU seconds.
