@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -109,6 +110,8 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     expected = PaddleScorer()(images, targets)
     pool = OcrPool(2)
     try:
+        # one OpenCV thread a worker (its default, a thread a core, cost a third of the reads' CPU)
+        assert pool.pool.apply(cv2.getNumThreads) == 1
         assert pool.score(images, targets)[0].tolist() == expected[0].tolist() == [1.0, 1.0, 0.0]
         with serve(pool) as url:
             scores, texts = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=3)(images, targets)
