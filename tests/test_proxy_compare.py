@@ -333,10 +333,6 @@ def test_results_md_shows_compare_s_numbers_for_diffusionnft_at_crd_s_kl_weight(
     subprocess.run([sys.executable, str(COMPARE), str(result), "--json", str(numbers)],
                    capture_output=True, text=True, check=True)
     protocols = json.loads(numbers.read_text())
-
-    def signed(x):
-        return f"{x:+.3f}".replace("-", "\u2212")
-
     shown = (root / "benchmark" / "RESULTS.md").read_text()
     for scale in ("1", "1.5", "3", "4.5"):
         protocol = protocols[f"cfg{scale}_40steps"]
@@ -450,12 +446,66 @@ def test_results_md_shows_the_guided_anchor_s_reward_attributable_gain_and_its_c
     for a, key in ((rewarded, "crd (kl-cfg 4.5)"), (control, "crd klonly (kl-cfg 4.5)")):
         expected = difference(a, kl_cfg1)
         assert guided["against_kl_cfg1"][f"{key} - crd tuned (kl-cfg 1)"] == expected
-
-        def signed(x):
-            return f"{x:+.3f}".replace("-", "\u2212")
-
         assert (f"{signed(expected['diff'])} [{signed(expected['low'])}, "
                 f"{signed(expected['high'])}]") in shown
     assert f"| CRD, guided anchor (`--kl-cfg 4.5`) | {rewarded.mean():.3f} |" in shown
     assert f"| its reward-blind control | {control.mean():.3f} |" in shown
     assert f"the 10-seed file's seeds 0–2) | {kl_cfg1.mean():.3f} |" in shown
+
+
+def signed(x):
+    """A number as RESULTS.md's prose writes it: sign always, a minus sign for '-'."""
+    return f"{x:+.3f}".replace("-", "\u2212")
+
+
+def test_results_md_shows_choose_s_table_for_the_three_seed_sweep(tmp_path):
+    """choose.py on the committed sweep keeps every default, and RESULTS.md's table is its
+    table, row for row."""
+    path = FIVE_SEEDS.parent / "ocr_proxy_sweep_3seeds_h200.json"
+    table = tmp_path / "table.json"
+    printed = subprocess.run([sys.executable, str(COMPARE.with_name("choose.py")), "--report",
+                              str(path), "--table", str(table)],
+                             capture_output=True, text=True, check=True)
+    assert printed.stdout.split() == ["crd:tuned=", "dgpo:tuned=", "nft:tuned="]
+    choice = json.loads(table.read_text())
+    assert choice == json.loads(path.read_text())["choice"] and choice["iterations"] == [60, 80, 100]
+    shown = (COMPARE.parents[2] / "benchmark" / "RESULTS.md").read_text()
+    names = {"crd": "CRD", "dgpo": "DGPO", "nft": "DiffusionNFT"}
+    for algo, rows in choice["variants"].items():
+        assert rows["chosen"] == "default"
+        assert f"| {names[algo]} | default | {rows['default']['score']:.3f} | | |" in shown
+        for variant, row in rows.items():
+            if variant in ("default", "chosen"):
+                continue
+            d = row["vs_default"]
+            assert d["low"] < 0 < d["high"] and (d["n_seeds_a"], d["n_seeds_b"]) == (3, 3)
+            assert (f"| {names[algo]} | `{row['arguments']}` | {row['score']:.3f} | "
+                    f"{signed(d['diff'])} [{signed(d['low'])}, {signed(d['high'])}] | "
+                    f"{d['mde']:.3f} |") in shown
+
+
+def test_results_md_shows_the_defaults_table_and_crd_s_lead_over_three_seeds():
+    """compare.py's table for the defaults file is RESULTS.md's; its CRD and DGPO curves are those
+    of the 2026-12-01 runs, whose third seed gives the paired t over three seeds that RESULTS.md
+    states."""
+    results = FIVE_SEEDS.parent
+    path = results / "ocr_proxy_defaults_2seeds_h200.json"
+    printed = run_compare(path).stdout
+    validation = printed.split("### validation at iteration 225")[1].split("###")[0]
+    rows = [line for line in validation.splitlines() if line.startswith("| ")]
+    assert len(ROW.findall(validation)) == 3 and len(rows) == 8
+    shown = (COMPARE.parents[2] / "benchmark" / "RESULTS.md").read_text()
+    assert [row for row in rows if row not in shown] == []
+    runs = json.loads(path.read_text())["benchmark"]["runs"]
+    earlier = json.loads((results / "ocr_proxy_crd_dgpo_3seeds_h200.json").read_text())
+    final = {}
+    for algo in ("crd", "dgpo"):
+        for seed in (0, 1):
+            assert runs[f"{algo}_default_seed{seed}"]["eval"] == \
+                earlier[algo]["runs"][f"{algo}_seed{seed}"]["eval"]
+        final[algo] = [dict(earlier[algo]["runs"][f"{algo}_seed{s}"]["eval"])[225] for s in range(3)]
+    lead = np.subtract(final["crd"], final["dgpo"])
+    interval = stats.ttest_rel(final["crd"], final["dgpo"]).confidence_interval()
+    by_seed = ", ".join(signed(x) for x in lead)
+    assert (f"CRD − DGPO is {by_seed} by seed, {signed(lead.mean())} [{signed(interval.low)}, "
+            f"{signed(interval.high)}] (paired t)") in shown.replace("\n  ", " ")

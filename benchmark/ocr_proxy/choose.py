@@ -28,14 +28,14 @@ import numpy as np
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmark.ocr_proxy.compare import difference  # noqa: E402
+from benchmark.ocr_proxy.compare import difference, load  # noqa: E402
 from benchmark.ocr_proxy.run_benchmark import Args, plan, run_name  # noqa: E402
 
 
 @dataclass
 class Options:
     report: str
-    """benchmark.json of the sweep"""
+    """benchmark.json of the sweep, or a results file holding it under 'benchmark'"""
     table: str = ""
     """also write the scores behind the choice to this JSON file"""
     name: str = "tuned"
@@ -92,7 +92,7 @@ def versus(row: dict) -> str:
 
 if __name__ == "__main__":
     options = tyro.cli(Options)
-    chosen, table = choose(json.loads(Path(options.report).read_text()), options.name)
+    chosen, table = choose(load(options.report, "choose.py"), options.name)
     if options.table:
         Path(options.table).write_text(json.dumps(table, indent=1))
     for algo, rows in table["variants"].items():

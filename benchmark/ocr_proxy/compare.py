@@ -115,10 +115,10 @@ def parse_run(name: str) -> tuple[str, str, int]:
     return algo, variant, int(seed)
 
 
-def load(path: str) -> dict:
+def load(path: str, program: str = "compare.py") -> dict:
     """The benchmark report in `path`, bare or under 'benchmark'; one line for what it lacks."""
     def fail(message):
-        sys.exit(f"compare.py: error: {path}: {message}")
+        sys.exit(f"{program}: error: {path}: {message}")
 
     try:
         report = json.loads(Path(path).read_text())
