@@ -110,8 +110,9 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     expected = PaddleScorer()(images, targets)
     pool = OcrPool(2)
     try:
-        # one OpenCV thread a worker (its default, a thread a core, cost a third of the reads' CPU)
-        assert pool.pool.apply(cv2.getNumThreads) == 1
+        # one OpenCV thread a worker (its default, a thread a core, cost a third of the reads' CPU),
+        # though this process used OpenCV's threads above (a worker setting them itself then hung)
+        assert pool.pool.apply_async(cv2.getNumThreads).get(timeout=60) == 1
         assert pool.score(images, targets)[0].tolist() == expected[0].tolist() == [1.0, 1.0, 0.0]
         with serve(pool) as url:
             scores, texts = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=3)(images, targets)
@@ -120,6 +121,20 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
         pool.close()
     assert scores.tolist() == expected[0].tolist() and texts == expected[1]
     assert blind[0].tolist() == [0.0, 0.0, 0.0] and blind[1] == ["", "", ""]  # the KL-only control's reward
+
+
+def test_pool_speed_reads_alike_at_each_opencv_setting_and_counts_the_workers_threads(tmp_path):
+    """benchmark/ocr_proxy/pool_speed.py: the same transcriptions whatever OpenCV's threads, and
+    one OpenCV thread a worker leaves each worker fewer threads than OpenCV's default."""
+    out = tmp_path / "speed.json"
+    script = Path(pretrain.__file__).with_name("pool_speed.py")
+    subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "6", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    default, one = result["settings"]["-1"], result["settings"]["1"]
+    assert default["identical_to_the_first"] == one["identical_to_the_first"] == 6
+    assert one["threads_per_worker"][0] < default["threads_per_worker"][0]
+    assert one["mean_score"] == default["mean_score"] > 0 and one["cpu_s_per_image"] > 0
 
 
 def _listen_overflows():

@@ -31,8 +31,6 @@ _scorer = None  # each worker process's engine
 
 def _start_worker():
     global _scorer
-    # OpenCV's own pool (a thread a core) in each worker cost a third of the reads' CPU time
-    cv2.setNumThreads(1)
     _scorer = PaddleScorer(threads=1)  # one engine per process: the pool gives the parallelism
 
 
@@ -49,13 +47,21 @@ def _score(item: tuple[np.ndarray, str]) -> tuple[float, str]:
 class OcrPool:
     """score(images (B, H, W, 3) uint8, targets) -> (B,) scores and transcriptions; workers=0 scores in process.
 
-    Forked workers: create the pool before CUDA is initialised.
+    Forked workers: create the pool before CUDA is initialised. opencv_threads: OpenCV's threads in each worker
+    (None: this process's, by default a thread a core, which took a third of each read's CPU time on 16 cores).
     """
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, opencv_threads: int | None = 1):
         self.pool = None
         if workers:
-            self.pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker)
+            # set here, where OpenCV's threads exist, for the workers to inherit: a forked worker that
+            # sets them itself waits forever on a pool this process had used
+            previous = cv2.getNumThreads()
+            cv2.setNumThreads(previous if opencv_threads is None else opencv_threads)
+            try:
+                self.pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker)
+            finally:
+                cv2.setNumThreads(previous)
         else:
             _start_worker()
 
