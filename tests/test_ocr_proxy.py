@@ -102,6 +102,11 @@ def test_pretraining_saves_a_pipeline_the_trainers_load_deterministically_and_re
     assert pretrain.pretrain(_tiny_args(out)) == out and (out / "proxy.json").stat().st_mtime_ns == stamp
 
 
+def _opencv_threads() -> int:
+    """A pool worker's OpenCV threads (cv2's own function pickles by a search of every module)."""
+    return cv2.getNumThreads()
+
+
 def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     task = Task()
     words = split_words(task, seed=0)["test"][:2]
@@ -112,7 +117,7 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     try:
         # one OpenCV thread a worker (its default, a thread a core, cost a third of the reads' CPU),
         # though this process used OpenCV's threads above (a worker setting them itself then hung)
-        assert pool.pool.apply_async(cv2.getNumThreads).get(timeout=60) == 1
+        assert pool.pool.apply_async(_opencv_threads).get(timeout=60) == 1
         assert pool.score(images, targets)[0].tolist() == expected[0].tolist() == [1.0, 1.0, 0.0]
         with serve(pool) as url:
             scores, texts = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=3)(images, targets)
