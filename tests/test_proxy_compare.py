@@ -383,6 +383,30 @@ def test_merging_a_result_split_by_seeds_gives_compare_s_tables_back(tmp_path):
     assert after.stdout.count("| 5 |") == before.stdout.count("| 5 |") > 0
 
 
+def test_merge_joins_a_part_validated_less_often_and_scored_only_at_validation(tmp_path):
+    """Seeds 3-4 as if validated every 75 iterations and run without final scores: merged, the
+    validation at 225 gives the committed file's table, and the final scores keep the base and the
+    three seeds that have them."""
+    report = json.loads(FIVE_SEEDS.read_text())["benchmark"]
+    sparse = part_of(report, [3, 4])
+    sparse["args"] = {**sparse["args"], "eval_every": 75, "final_scores": False}
+    sparse["runs"] = {name: {**run, "per_prompt": {i: run["per_prompt"][i]
+                                                   for i in ("0", "75", "150", "225")}}
+                      for name, run in sparse["runs"].items()}
+    sparse["final_scores"] = {}
+    (tmp_path / "a.json").write_text(json.dumps(part_of(report, [0, 1, 2])))
+    (tmp_path / "b.json").write_text(json.dumps(sparse))
+    merged = run_merge(tmp_path / "merged.json", tmp_path / "a.json", tmp_path / "b.json")
+    assert merged.returncode == 0, merged.stderr
+    content = json.loads((tmp_path / "merged.json").read_text())
+    assert content["final_scores"]["base"] == report["final_scores"]["base"]
+    before = run_compare(FIVE_SEEDS).stdout.split("### ")[1]
+    tables = run_compare(tmp_path / "merged.json").stdout.split("### ")
+    assert tables[1] == before and before.startswith("validation at iteration 225")
+    final = tables[2]
+    assert final.startswith("cfg1_40steps") and final.count("| 3 |") == 3 and "| base |" in final
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda r: r["args"].update(trainer_args="--kl-cfg 4.5"),
      "--trainer-args '--kl-cfg 4.5' where {a} has ''"),

@@ -6,9 +6,12 @@ The runs are deterministic given their seed (a run reproduces to the bit on anot
 beside other runs), so runs of one design in different calls belong to one table. The reports
 must share the pretrained base (the same per-prompt base scores on every protocol they share),
 the held-out words and every argument that shapes a run; a run name two reports both hold, or a
-variant name given different arguments, is refused. OUT holds the union of the runs, their final
-scores and return codes, with each report's seeds, phases and machine use under 'parts'; compare.py
-reads it.
+variant name given different arguments, is refused. How often the runs validated may differ: a
+validation samples from its own seeds and changes no run (a run validated every 75 iterations
+scores, at 75, 150 and 225, what it scores validated every 25). OUT holds the union of the runs,
+their final scores and return codes, with each report's seeds, phases and machine use under
+'parts'; compare.py reads it (the iterations every run validated, and the final scores of the runs
+that have them).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import tyro
 
 # arguments that say only how or where a call ran, not what a run is
 PER_CALL = {"out", "seeds", "time_limit_s", "resume", "algorithms", "variants", "ocr_workers",
-            "mps", "final_guidances", "final_scores", "kl_only_control"}
+            "mps", "final_guidances", "final_scores", "kl_only_control", "eval_every"}
 # the pretraining arguments that only pace its progress lines
 PRETRAIN_PER_CALL = {"out", "progress_every_s", "ocr_workers", "time_cap_s"}
 
@@ -109,10 +112,12 @@ def merge(reports: dict[str, dict]) -> dict:
         merged["parts"].append({"report": path, "seeds": report["args"]["seeds"],
                                 "algorithms": report["args"]["algorithms"],
                                 "phases_s": report.get("phases_s"), "usage": report.get("usage")})
-    # the base at the protocols every report scored it at: the first's values, equal to the others'
-    shared = set.intersection(*(set(base_scores(report)) for report in reports.values()))
+    # the base at the protocols every report that scored it scored it at, the first such report's
+    # values (equal to the others'); a report run without final scores has none to share
+    scored = [report for report in reports.values() if base_scores(report)]
+    shared = set.intersection(*(set(base_scores(report)) for report in scored)) if scored else set()
     if shared:
-        base = first["final_scores"]["base"]
+        base = scored[0]["final_scores"]["base"]
         kept = {key: value for key, value in base.items() if key in shared}
         per_prompt = {key: value for key, value in base["per_prompt"].items() if key in shared}
         merged["final_scores"] = {"base": {**kept, "per_prompt": per_prompt},
