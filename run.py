@@ -54,9 +54,14 @@ def start_tracking(args, run_dir, resumed):
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None  # None: new
     # the run directory as TensorBoard's root: else wandb waits 10 s for more log directories
     wandb.tensorboard.patch(root_logdir=str(run_dir))
-    tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
-                          sync_tensorboard=True, config=vars(args), name=Path(run_dir).name,
-                          id=run_id, resume="allow")
+    try:
+        tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
+                              sync_tensorboard=True, config=vars(args), name=Path(run_dir).name,
+                              id=run_id, resume="allow")
+    except wandb.errors.Error as error:  # no login, a refused key, no server: wandb's own words
+        why = " ".join(str(error).split())
+        fail(f"--track: W&B could not start the run ({why}); log in with `wandb login`, or set "
+             "WANDB_MODE=offline to keep it in the run directory and `wandb sync` it later")
     id_file.write_text(tracking.id + "\n")
     return tracking
 

@@ -1,5 +1,6 @@
 """--track: a real tiny-model crd.py run logged to Weights & Biases offline (WANDB_MODE=offline, its
-files under tmp_path), with TensorBoard's scalars synced and nothing sent; without wandb, one line.
+files under tmp_path), with TensorBoard's scalars synced and nothing sent; without wandb, or without
+a W&B login, one line.
 
 Run: python -m pytest -q -n 0 tests/test_track.py
 """
@@ -80,3 +81,22 @@ def test_track_without_wandb_is_one_line(tmp_path):
         "crd.py: error: --track: wandb is not installed (No module named 'wandb'); install it "
         "with pip install -r requirements-track.txt"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_track_without_a_login_is_one_line(tiny_model_dir, tmp_path):
+    """wandb installed, no API key anywhere (an empty HOME, no WANDB_API_KEY) and not offline:
+    one line that says how to log in or go offline, and the new run directory is not left."""
+    pytest.importorskip("wandb", reason="the optional requirements-track.txt (CI installs it)")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = clean_env(CRD_CACHE=str(tiny_model_dir.parent), HOME=str(home),
+                    NETRC=str(home / ".netrc"), WANDB_DIR=str(tmp_path / "wandb"))
+    result = train(env, tmp_path / "runs", "--num-iterations", 1, "--eval-every", 0, "--track",
+                   "--run-name", "tracked")
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1:] == [
+        "crd.py: error: --track: W&B could not start the run (No API key configured. Use `wandb "
+        "login` to log in.); log in with `wandb login`, or set WANDB_MODE=offline to keep it in "
+        "the run directory and `wandb sync` it later"]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "tracked").exists()
