@@ -15,6 +15,7 @@ on, checkpoints, summary.json and the exit status.
 import json
 import os
 import sys
+import threading
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -75,6 +76,39 @@ def masked_crc32c(data):
 # TensorBoard's own loop runs in pure Python in its writer thread: a validation grid's record held
 # the GIL for ~2 s and slowed the next rollout's kernel launches by as much (benchmark/RESULTS.md)
 record_writer.masked_crc32c = masked_crc32c
+
+
+class EventsFileError(Exception):
+    """A write to the run's TensorBoard events file failed (a full disk): the run stops."""
+
+
+class EventsFile:
+    """TensorBoard's SummaryWriter for the run directory, whose write errors (its writer thread's,
+    raised by the next call) come as one EventsFileError; that thread prints no traceback."""
+
+    def __init__(self, run_dir, purge_step):
+        before = set(threading.enumerate())
+        self.writer = SummaryWriter(run_dir, purge_step=purge_step)
+        writer_threads = set(threading.enumerate()) - before
+        excepthook = threading.excepthook
+
+        def hook(failed):  # the next call raises the same error, in one line
+            if failed.thread not in writer_threads or not isinstance(failed.exc_value, OSError):
+                excepthook(failed)
+
+        threading.excepthook = hook
+
+    def __getattr__(self, name):
+        method = getattr(self.writer, name)
+
+        def guarded(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except OSError as error:
+                raise EventsFileError("could not write the TensorBoard events file "
+                                      f"({error.strerror or error})") from None
+
+        return guarded
 
 
 def keep_eval_scores_until(run_dir, iteration):
@@ -150,7 +184,8 @@ class Run:
         self.failed_judges = {}  # {judge: why}, of this start (Validation)
         self.validation_adapter = None  # the adapter Validation samples: checkpoints record it
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
-                                  self.keep_after_out_of_memory)
+                                  self.keep_after_error)
+        self.stop_on_events_file_error()
 
     def check_same_settings(self):
         """Every rank's shared_settings against rank 0's: where any differs, every rank prints the
@@ -199,7 +234,7 @@ class Run:
             keep_eval_scores_until(self.dir, state["iteration"])
             if args.track:
                 self.tracking = start_tracking(args, self.dir, resumed=bool(state["iteration"]))
-            self.writer = SummaryWriter(self.dir, purge_step=purge)
+            self.writer = EventsFile(self.dir, purge)
             table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
             images = args.prompts_per_rank * args.group_size
@@ -309,23 +344,43 @@ class Run:
             save_last_iteration(self.dir, self.state, self.transformer, self.optimizer,
                                 self.args.keep_last)
 
-    def keep_after_out_of_memory(self, stopped_by):
-        """After a failed allocation: the last completed iteration is saved, unless the failed one
-        had already stepped the optimizer (its checkpoint on disk stands then), and summary.json
-        says what stopped the run. Returns what is kept, in words."""
+    def stop_on_events_file_error(self):
+        """From now on, an EventsFileError ends the program with one line saying what is kept
+        (keep_after_error)."""
+        excepthook = sys.excepthook
+
+        def hook(kind, error, trace):
+            if not isinstance(error, EventsFileError):
+                return excepthook(kind, error, trace)
+            kept = self.keep_after_error(str(error))
+            print(f"{Path(sys.argv[0]).name}: error: {error}; {kept}", file=sys.stderr,
+                  flush=True)
+            if dist.is_initialized():
+                os._exit(1)  # the other ranks wait in a collective: torchrun ends them
+
+        sys.excepthook = hook
+
+    def keep_after_error(self, stopped_by):
+        """After a failed allocation or events file: the last completed iteration is saved, unless
+        the failed one had already stepped the optimizer (its checkpoint on disk stands then), and
+        summary.json says what stopped the run. Returns what is kept, in words."""
         self.stopped_by = stopped_by
         state = self.state
-        saved = None
+        latest = (checkpoints(self.dir)[-1:] or [None])[0]
+        kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
         if self.main_process and state and state["iteration"]:
             if state["optimizer_steps"] == self.steps_when_saved:
                 try:
                     saved = save_checkpoint(self.dir, state["iteration"], self.transformer,
                                             self.optimizer, state, self.args.keep_last)
-                except RunError as save_error:
-                    print(f"{Path(sys.argv[0]).name}: error: {save_error}", file=sys.stderr)
-            self.write_summary()
-        latest = saved or (checkpoints(self.dir)[-1:] or [None])[0]
-        return f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
+                    kept = f"the latest checkpoint is {saved}"
+                except RunError as save_error:  # it names the latest complete checkpoint
+                    kept = str(save_error)
+            try:
+                self.write_summary()
+            except OSError as error:  # the disk may be full
+                kept += f"; summary.json could not be written either ({error.strerror or error})"
+        return kept
 
     def current_phase(self):
         """Loading, a validation, or the rollout or training of the iteration under way."""
@@ -337,12 +392,13 @@ class Run:
 
     def write_summary(self):
         # a signal after the last iteration cut nothing short; an error there (a diverged step) did
+        try:
+            self.writer.close()
+        except EventsFileError as error:  # what stopped the run, or its last write on a full disk
+            self.stopped_by = self.stopped_by or str(error)
         done = self.state["iteration"] >= self.args.num_iterations
         stopped_by = None if self.stop_signal and done else self.stopped_by
-        summary = summary_of_state(self.dir, self.state, stopped_by, self.device,
-                                   self.failed_judges)
-        self.writer.close()
-        return summary
+        return summary_of_state(self.dir, self.state, stopped_by, self.device, self.failed_judges)
 
     def finish(self):
         """A stopped run keeps its last completed iteration; summary.json; exit with the status."""

@@ -1,5 +1,5 @@
 """Faults of issue 32 with real files, processes and signals: a full disk while a checkpoint's
-optimizer.pt or evaluate.py's grid is written, two evaluate.py on one results directory, the
+optimizer.pt, the TensorBoard events file or evaluate.py's grid is written, two evaluate.py on one results directory, the
 permissions of a checkpoint's files, and evaluate.py scoring a checkpoint as its run validated."""
 
 import json
@@ -254,6 +254,35 @@ def test_a_full_disk_at_optimizer_pt_stops_the_trainer_with_one_line_and_a_summa
         assert summary["iterations"] == 2
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_an_events_file_that_cannot_grow_stops_the_run_with_one_line_and_a_checkpoint(
+        tiny_model_dir, tmp_path):
+    """Every file limited to 400 kB: the checkpoints (adapters.safetensors 379 kB) fit, TensorBoard's
+    events file (a validation grid an iteration, ~80 kB each) outgrows it. It used to print its
+    writer thread's traceback and the main thread's, with no summary.json. Now: one line naming
+    the events file and the checkpoint kept, a summary saying why, and --resume-from latest ends
+    the run."""
+    run = tmp_path / "runs" / "run"
+    flags = {**DEMO, "--eval-every": "1", "--save-every": "2", "--eval-judge": "none"}
+    stopped = subprocess.run(command("crd.py", flags, "--output-dir", run.parent, "--run-name",
+                                     "run"), cwd=ROOT, env=env(tiny_model_dir),
+                             capture_output=True, text=True, timeout=600,
+                             preexec_fn=file_size_limit(400_000))
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    why = "could not write the TensorBoard events file (File too large)"
+    assert summary["completed"] is False and summary["stopped_by"] == why
+    latest = run / f"global_step_{summary['iterations']}"
+    assert 2 <= summary["iterations"] < 6 and latest.is_dir()
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"crd.py: error: {why}; the latest checkpoint is {latest}")
+    resumed = subprocess.run(command("crd.py", flags, "--output-dir", run.parent, "--run-name",
+                                     "run", "--resume-from", "latest"),
+                             cwd=ROOT, env=env(tiny_model_dir), capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["completed"] is True
 
 
 @pytest.fixture(scope="module")
