@@ -505,9 +505,17 @@ def use_adapter(transformer, name: str | None):
             layer.lora_A[SLOT].weight, layer.lora_B[SLOT].weight, layer.scaling[SLOT] = a, b, scaling
 
 
+class SnapshotError(ValueError):
+    """An EMA decay outside [0, 1] (a schedule's NaN): the snapshot is left as it was."""
+
+
 @torch.no_grad()
 def ema_update_(transformer, target: str, source: str, decay: float) -> None:
-    """In place, over LoRA tensors only: target <- decay * target + (1 - decay) * source."""
+    """In place, over LoRA tensors only: target <- decay * target + (1 - decay) * source. A decay
+    outside [0, 1], NaN included, raises SnapshotError first: the adapter stays finite."""
+    if not 0.0 <= decay <= 1.0:
+        raise SnapshotError(f"the {target} adapter's EMA decay is {decay}, outside [0, 1]: its "
+                            "schedule (ema_decay and its flag) gave it; the adapter is unchanged")
     torch._foreach_lerp_(lora_parameters(transformer, target), lora_parameters(transformer, source), 1.0 - decay)
 
 

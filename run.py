@@ -39,7 +39,7 @@ from iteration import PhaseTimer
 from memory import TRAINER_MEMORY_FLAGS, memory_error, one_line_on_out_of_memory
 from ocr_reward import check_reward_model
 from reward_mix import parse_mix
-from rollout import check_model_path, nonfinite_images, warn_cut_targets
+from rollout import SnapshotError, check_model_path, nonfinite_images, warn_cut_targets
 from scoring import reward_stats
 
 
@@ -185,7 +185,7 @@ class Run:
         self.validation_adapter = None  # the adapter Validation samples: checkpoints record it
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
                                   self.keep_after_error)
-        self.stop_on_events_file_error()
+        self.stop_on_run_errors()
 
     def check_same_settings(self):
         """Every rank's shared_settings against rank 0's: where any differs, every rank prints the
@@ -344,13 +344,13 @@ class Run:
             save_last_iteration(self.dir, self.state, self.transformer, self.optimizer,
                                 self.args.keep_last)
 
-    def stop_on_events_file_error(self):
-        """From now on, an EventsFileError ends the program with one line saying what is kept
-        (keep_after_error)."""
+    def stop_on_run_errors(self):
+        """From now on, an EventsFileError (a full disk) or a SnapshotError (a schedule's NaN) ends
+        the program with one line saying what is kept (keep_after_error)."""
         excepthook = sys.excepthook
 
         def hook(kind, error, trace):
-            if not isinstance(error, EventsFileError):
+            if not isinstance(error, (EventsFileError, SnapshotError)):
                 return excepthook(kind, error, trace)
             kept = self.keep_after_error(str(error))
             print(f"{Path(sys.argv[0]).name}: error: {error}; {kept}", file=sys.stderr,
@@ -361,9 +361,9 @@ class Run:
         sys.excepthook = hook
 
     def keep_after_error(self, stopped_by):
-        """After a failed allocation or events file: the last completed iteration is saved, unless
-        the failed one had already stepped the optimizer (its checkpoint on disk stands then), and
-        summary.json says what stopped the run. Returns what is kept, in words."""
+        """After a failed allocation, events file or snapshot: the last completed iteration is
+        saved, unless the failed one had already stepped the optimizer (its checkpoint on disk
+        stands then), and summary.json says what stopped the run. Returns what is kept, in words."""
         self.stopped_by = stopped_by
         state = self.state
         latest = (checkpoints(self.dir)[-1:] or [None])[0]

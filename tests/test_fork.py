@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmark.ocr_proxy import run_benchmark
@@ -121,3 +123,35 @@ def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tm
     assert evaluated["settings"]["adapter"] == "policy"
     scores = [record["score"] for record in evaluated["prompts"]]
     assert scores == pytest.approx(evals[2], rel=1e-6)
+
+
+def test_a_fork_whose_schedule_gives_nan_stops_in_one_line_with_its_snapshots_finite(
+        tiny_model_dir, tmp_path):
+    """A fork's ema_decay that turns NaN at k = 6 (the third iteration): the snapshots are not
+    touched; the run stops in one line naming the adapter and the checkpoint of iteration 2, whose
+    adapters are all finite, and summary.json says why."""
+    crd = (ROOT / "crd.py").read_text()
+    original = ('    return initial if step < start else min(initial + slope * (step - start), '
+                'maximum)\n')
+    assert crd.count(original) == 1
+    script = tmp_path / "nanfork.py"
+    script.write_text(crd.replace(original, '    return float("nan") if step >= 6 else '
+                                            '(initial if step < start else maximum)\n'))
+    cmd = [sys.executable, str(script), "--model", "tiny", "--reward", "brightness", "--device",
+           "cpu", "--train-data", str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"),
+           "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
+           "--num-iterations", "4", "--eval-every", "0", "--save-every", "1",
+           "--output-dir", str(tmp_path / "runs"), "--run-name", "fork"]
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run = tmp_path / "runs" / "fork"
+    why = ("the old adapter's EMA decay is nan, outside [0, 1]: its schedule (ema_decay and its "
+           "flag) gave it; the adapter is unchanged")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"nanfork.py: error: {why}; the latest checkpoint is {run / 'global_step_2'}")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] is False and summary["stopped_by"] == why
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    adapters = load_file(run / "global_step_2" / "adapters.safetensors")
+    assert adapters and all(torch.isfinite(tensor).all() for tensor in adapters.values())
