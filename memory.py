@@ -1,17 +1,20 @@
 """Memory: about what one iteration holds at its peak, held against the memory there is before the
-run starts (memory_error), and a failed allocation told in one line that names the phase and the
-flags that lower it (one_line_on_out_of_memory)."""
+run starts (memory_error; a dry run reads the model's shape from its config files, model_shape),
+and a failed allocation told in one line that names the phase and the flags that lower it
+(one_line_on_out_of_memory)."""
 
+import json
 import os
 import resource
 import sys
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from rollout import available_host_memory
+from rollout import RANDOM_MEDIUM, TINY, available_host_memory, load_pipeline, tiny_model_dir
 
 
 # Values a transformer block keeps per token and hidden unit for its backward: 34 bytes at 16 bits
@@ -47,6 +50,25 @@ def iteration_memory(args, pipe, dtype):
             ("decoded images", images * args.resolution**2 * 3, True),
             (f"activations of a policy forward of {policy_rows} rows",
              policy_rows * tokens * hidden * kept * size, False)]
+
+
+def model_shape(model):
+    """What iteration_memory reads of a pipeline (the transformer's config, the VAE's scale factor,
+    the tokenizer's length), without its weights: the random model built on the meta device, a
+    local folder's config files; None for a hub id (the run checks once the model has loaded)."""
+    if model == RANDOM_MEDIUM:
+        return load_pipeline(model, device="meta")
+    path = tiny_model_dir(None) if model == TINY else Path(model).expanduser()
+    if not path.is_dir():
+        return None
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+
+    transformer = SD3Transformer2DModel.load_config(path, subfolder="transformer")
+    vae = AutoencoderKL.load_config(path, subfolder="vae")
+    tokenizer = json.loads((path / "tokenizer" / "tokenizer_config.json").read_text())
+    return SimpleNamespace(transformer=SimpleNamespace(config=SimpleNamespace(**transformer)),
+                           vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
+                           tokenizer_max_length=tokenizer.get("model_max_length", 77))
 
 
 def memory_error(args, pipe, dtype, device):

@@ -36,7 +36,8 @@ from data import load_train_and_eval_prompts
 from distributed import (actor_device, agreed_stop, all_mean_, gather, leave_process_group,
                          settings_mismatch, shared_settings)
 from iteration import PhaseTimer
-from memory import TRAINER_MEMORY_FLAGS, memory_error, one_line_on_out_of_memory
+from memory import (TRAINER_MEMORY_FLAGS, memory_error, model_shape,
+                    one_line_on_out_of_memory)
 from ocr_reward import check_reward_model
 from reward_mix import parse_mix
 from rollout import SnapshotError, check_model_path, nonfinite_images, warn_cut_targets
@@ -213,6 +214,9 @@ class Run:
             check_reward_model(args.reward_model)
         check_judge_models(args, scorers)
         if args.dry_run:  # how run.sh checks a run before it starts a reward server
+            shape = model_shape(args.model)  # the run checks this once the model has loaded
+            if shape and (error := memory_error(args, shape, self.dtype, self.device)):
+                fail(error)
             print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval "
                   "prompts")
             sys.exit(0)

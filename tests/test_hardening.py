@@ -427,6 +427,20 @@ def test_a_dry_run_checks_the_run_directory_without_creating_it(tiny_model_dir, 
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["summary.json"]
 
 
+def test_a_dry_run_refuses_an_iteration_too_large_for_memory_as_the_run_does(tiny_model_dir, tmp_path):
+    """run.sh relies on --dry-run: 200,000 images an iteration are refused there, before the models load, in the
+    same line the run gives once they have loaded."""
+    flags = ("--group-size", 100_000, "--train-batch-size", 100_000)
+    dry = train("crd.py", tiny_model_dir, tmp_path, *flags, "--dry-run", check=False)
+    run = train("crd.py", tiny_model_dir, tmp_path, *flags, check=False)
+    for result in (dry, run):
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = dry.stderr.strip().splitlines()[-1]
+    assert line.startswith("crd.py: error: --prompts-per-rank 2 x --group-size 100000 = 200000 images need about")
+    assert run.stderr.strip().splitlines()[-1] == line
+    assert "dry run" not in dry.stdout and not (tmp_path / "run").exists()
+
+
 @pytest.mark.long
 def test_a_reward_server_that_dies_mid_run_stops_the_run_with_the_last_iteration_saved(tiny_model_dir, tmp_path):
     """A real HTTP reward server (tests/ocr_server.py) goes down once the first iteration's images are scored: the
