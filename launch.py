@@ -7,7 +7,8 @@ This is torch.distributed.run itself (torchrun), with two of its exceptions turn
   which finish the iteration together and save (see checkpoint.GracefulStop); then exit 128 + signal, as a process
   ended by it, where torchrun raises SignalException and exits 1 with a traceback;
 - a rank that failed (it printed its own error): exit with its exit code, where torchrun prints a ~40-line
-  ChildFailedError report.
+  ChildFailedError report; a rank that stopped because a rank here or on another node got SIGTERM or SIGINT (exit
+  143 or 130) is said to have stopped, not failed.
 A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line before it starts, not its traceback.
 SIGUSR1 (a common Slurm pre-emption signal, `--signal=USR1@600`) stops the run as SIGTERM does: torchrun forwards
 SIGTERM to the ranks, which save, and launch.py exits 143. With --max-restarts, launch.py gives each attempt's ranks a
@@ -24,6 +25,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, main, parse_args
 
+# a rank's exit code after the stop every rank agrees on when any rank gets SIGTERM or SIGINT (128 + signal)
+AGREED_STOPS = (128 + signal.SIGTERM, 128 + signal.SIGINT)
 DEVICE_KINDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's --nproc-per-node values for one worker per such device
 
 
@@ -73,6 +76,11 @@ if __name__ == "__main__":
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         code = exit_status(failure.exitcode)
+        if failure.exitcode in AGREED_STOPS:  # the trainers' exit after a signal to any rank: a stop, not a failure
+            name = signal.Signals(failure.exitcode - 128).name
+            print(f"launch.py: stopped by {name} to a rank of the run, here or on another node (exit code {code}): "
+                  "every rank stopped after the same iteration, which rank 0 saved", file=sys.stderr, flush=True)
+            sys.exit(code)
         how = f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0 else f"exit code {code}"
         print(f"launch.py: rank {rank} of {error.name} failed ({how}); its error is printed above", file=sys.stderr,
               flush=True)

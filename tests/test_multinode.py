@@ -149,6 +149,9 @@ def test_sigterm_to_one_node_stops_both_and_one_node_resumes_bitwise(one_node, t
     assert code0 == code1 == 143, (err0[-3000:], err1[-3000:])  # node 1's rank: the agreed SIGTERM
     assert "Traceback" not in err0 + err1, (err0[-3000:], err1[-3000:])
     assert "launch.py: stopped by SIGTERM, which torchrun forwarded to the ranks" in err0
+    assert err1.strip().splitlines()[-1] == (
+        "launch.py: stopped by SIGTERM to a rank of the run, here or on another node (exit code 143): "
+        "every rank stopped after the same iteration, which rank 0 saved")
     (saved,) = run.glob("*global_step_*")  # one, complete (no temporary directory left)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] is False and summary["stopped_by"] == "SIGTERM"
