@@ -9,7 +9,9 @@ This is torch.distributed.run itself (torchrun), with two of its exceptions turn
 - a rank that failed (it printed its own error): exit with its exit code, where torchrun prints a ~40-line
   ChildFailedError report; a rank that stopped because a rank here or on another node got SIGTERM or SIGINT (exit
   143 or 130) is said to have stopped, not failed.
-A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line before it starts, not its traceback.
+A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line before it starts, not its traceback;
+so is a rendezvous that not every node joined in time (its join_timeout, at the start or at a restart), and a node
+that found no rendezvous store to join (its host not started, or another address).
 SIGUSR1 (a common Slurm pre-emption signal, `--signal=USR1@600`) stops the run as SIGTERM does: torchrun forwards
 SIGTERM to the ranks, which save, and launch.py exits 143. With --max-restarts, launch.py gives each attempt's ranks a
 store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so that a restart survives a killed rank 0.
@@ -23,6 +25,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.run import determine_local_world_size, main, parse_args
 
 # a rank's exit code after the stop every rank agrees on when any rank gets SIGTERM or SIGINT (128 + signal)
@@ -73,6 +76,18 @@ if __name__ == "__main__":
         print(f"launch.py: stopped by {name}, which torchrun forwarded to the ranks (they save at the end of their "
               "iteration)", file=sys.stderr, flush=True)
         sys.exit(128 + stop.sigval)
+    except RendezvousConnectionError:
+        print(f"launch.py: error: no rendezvous store answered at {torchrun_args.rdzv_endpoint} in its read timeout "
+              "(--rdzv-conf read_timeout, 60 s by default): the node that hosts it (is_host=1, run.sh's NODE_RANK=0) "
+              "is not running there; start it, or check the address (run.sh's MASTER_ADDR and MASTER_PORT)",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+    except RendezvousTimeoutError:
+        print(f"launch.py: error: not every one of the {torchrun_args.nnodes} nodes joined the rendezvous at "
+              f"{torchrun_args.rdzv_endpoint} in its join timeout (--rdzv-conf join_timeout, run.sh's JOIN_TIMEOUT): a "
+              "node that stopped or was lost does not come back by itself; start every node again, and "
+              "--resume-from latest continues the run", file=sys.stderr, flush=True)
+        sys.exit(1)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         code = exit_status(failure.exitcode)

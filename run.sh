@@ -12,7 +12,8 @@
 # Several nodes and restarts (docs/multi-node.md): NNODES (1), NODE_RANK (0; node 0
 # hosts the rendezvous), MASTER_ADDR (node 0's address) and MASTER_PORT (29500) or RDZV_ENDPOINT
 # (host:port), RDZV_ID (RUN_NAME), MAX_RESTARTS (0: how often torchrun restarts all ranks after one
-# fails), RUN_NAME (the run OUTPUT_DIR/RUN_NAME, started or continued by --resume-from latest;
+# fails), JOIN_TIMEOUT (600: seconds an agent waits for every node to join the rendezvous, at the start
+# and at each restart), RUN_NAME (the run OUTPUT_DIR/RUN_NAME, started or continued by --resume-from latest;
 # needed with NNODES > 1, made up once per launch with MAX_RESTARTS on one node), REWARD_URLS (vLLM
 # servers elsewhere, comma-separated: none is started here; else every node starts its own).
 # SIGTERM or Ctrl-C stops the run at the end of its iteration with a checkpoint; the exit status is then 143 / 130.
@@ -114,11 +115,12 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-$MASTER_ADDR:$MASTER_PORT}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}
 RUN_NAME=${RUN_NAME:-}
 RDZV_ID=${RDZV_ID:-$RUN_NAME}
 REWARD_URLS=${REWARD_URLS:-}
 for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS EVAL_PROMPTS REWARD_PORT \
-            STOP_TIMEOUT NNODES NODE_RANK MASTER_PORT MAX_RESTARTS; do
+            STOP_TIMEOUT NNODES NODE_RANK MASTER_PORT MAX_RESTARTS JOIN_TIMEOUT; do
   [[ ${!name} =~ ^(0|[1-9][0-9]*)$ ]] || { echo "run.sh: error: $name=${!name}: not a whole number" >&2; exit 1; }
 done
 (( NUM_GPUS_ACTOR_ROLLOUT > 0 )) || { echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed" >&2; exit 1; }
@@ -240,7 +242,8 @@ else
     # (is_host, not guessed from host names); the rendezvous numbers the ranks, NODE_RANK only
     # picks the host
     torchrun_args=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
-                   --rdzv-id "$RDZV_ID" --rdzv-conf "is_host=$(( NODE_RANK == 0 ))")
+                   --rdzv-id "$RDZV_ID"
+                   --rdzv-conf "is_host=$(( NODE_RANK == 0 )),join_timeout=$JOIN_TIMEOUT")
   fi
   if (( MAX_RESTARTS > 0 )); then
     # launch.py gives each attempt's ranks a store of their own, which a restart after a killed

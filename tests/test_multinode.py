@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -182,6 +183,66 @@ def test_a_rank_killed_restarts_the_run_from_its_latest_checkpoint(one_node, tin
     printed = results[0][1] + results[1][1]
     assert f"--resume-from latest: {run / f'global_step_{resumed_at}'}\n" in printed
     assert_same_training(run, one_node)
+
+
+def join_timeout_line(port):
+    return (f"launch.py: error: not every one of the 2 nodes joined the rendezvous at 127.0.0.1:{port} in its join "
+            "timeout (--rdzv-conf join_timeout, run.sh's JOIN_TIMEOUT): a node that stopped or was lost does not "
+            "come back by itself; start every node again, and --resume-from latest continues the run")
+
+
+def test_a_node_whose_peer_never_comes_stops_after_join_timeout_in_one_line(tiny_model_dir, tmp_path):
+    """The host node started alone (NNODES=2): it waits JOIN_TIMEOUT (here 5 s), not torchrun's 600 s, and
+    ends in one line naming the rendezvous, where torchrun printed a traceback."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    port = str(free_port())
+    began = time.time()
+    node = start(env, tmp_path / "node0", NNODES="2", NODE_RANK="0", MASTER_PORT=port, JOIN_TIMEOUT="5")
+    ((code, _, err),) = finish([node], [tmp_path / "node0"])
+    assert code == 1 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == join_timeout_line(port)
+    assert time.time() - began < 60
+
+
+def test_a_node_that_finds_no_rendezvous_store_stops_in_one_line(tiny_model_dir, tmp_path):
+    """launch.py as docs/multi-node.md's per-node command, node 1 started with no host at the
+    endpoint (read_timeout 3 s here, torch's 60 s by default): one line that says to start the host
+    or check the address, where torchrun printed a traceback."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    cmd = [sys.executable, "launch.py", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", "run", "--rdzv-conf", "is_host=0,read_timeout=3",
+           "--nproc-per-node", "1", "crd.py", *TINY_RUN]
+    result = subprocess.run(cmd, cwd=ROOT, env={**env, "CRD_CACHE": str(tiny_model_dir.parent)},
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"launch.py: error: no rendezvous store answered at 127.0.0.1:{port} in its read timeout (--rdzv-conf "
+        "read_timeout, 60 s by default): the node that hosts it (is_host=1, run.sh's NODE_RANK=0) is not running "
+        "there; start it, or check the address (run.sh's MASTER_ADDR and MASTER_PORT)")
+
+
+def test_a_stopped_node_under_max_restarts_ends_the_other_after_join_timeout(tiny_model_dir, tmp_path):
+    """SIGTERM to node 1 under MAX_RESTARTS=1: both ranks stop after the same iteration, which rank 0
+    saves; node 0's agent restarts its rank and waits for node 1 to join again, JOIN_TIMEOUT (10 s)
+    rather than 600 s in silence, then ends in one line; the checkpoint and summary.json stand."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    run = tmp_path / "runs" / "run"
+    port = str(free_port())
+    nodes = [start(env, tmp_path / f"node{rank}", "--num-iterations", 1000, "--save-every", 1000, NNODES="2",
+                   NODE_RANK=str(rank), MASTER_PORT=port, MAX_RESTARTS="1", JOIN_TIMEOUT="10")
+             for rank in (0, 1)]
+    wait_for("events.*", run, "TensorBoard events")
+    os.kill(nodes[1].pid, signal.SIGTERM)
+    stopped = time.time()
+    (code0, _, err0), (code1, _, err1) = finish(nodes, [tmp_path / "node0", tmp_path / "node1"])
+    assert code1 == 143 and code0 == 1, (err0[-3000:], err1[-3000:])
+    assert time.time() - stopped < 120
+    assert "Traceback" not in err0 + err1
+    assert err0.strip().splitlines()[-1] == join_timeout_line(port)
+    (saved,) = run.glob("*global_step_*")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and saved.name == f"global_step_{summary['iterations']}"
 
 
 def nodes_with_other_settings(env, log, node1_flags, *extra):
