@@ -128,7 +128,7 @@ def test_two_nodes_train_bitwise_like_one_node_of_two_ranks(one_node, tiny_model
     commands = [line for _, out, _ in results for line in out.splitlines() if line.startswith("+ ")]
     for rank, command in enumerate(commands):
         assert "launch.py --nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" in command
-        assert f"--rdzv-id run --rdzv-conf is_host={int(rank == 0)} " in command
+        assert f"--rdzv-id run --rdzv-conf is_host={int(rank == 0)},join_timeout=600 " in command
         assert " --run-name run --resume-from latest " in command
     run = tmp_path / "runs" / "run"
     assert "--resume-from latest: no checkpoint in" in results[0][1] + results[1][1]
@@ -427,7 +427,7 @@ def test_the_sbatch_script_starts_a_node_each_and_requeues_an_unfinished_run(com
     for node in (0, 1):
         printed = (tmp_path / f"srun.{node}").read_text()
         assert ("launch.py --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node-a:21234 "
-                f"--rdzv-id crd-1234 --rdzv-conf is_host={int(node == 0)} --max-restarts 3 "
+                f"--rdzv-id crd-1234 --rdzv-conf is_host={int(node == 0)},join_timeout=120 --max-restarts 3 "
                 "--nproc-per-node 1 crd.py ") in printed
         assert printed.rstrip().endswith("--run-name crd-1234 --resume-from latest "
                                          "--learning-rate 1e-4")

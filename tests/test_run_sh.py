@@ -328,7 +328,7 @@ def test_several_nodes_and_restarts_launch_through_torchrun(tmp_path):
                        REWARD_URLS="http://10.0.0.7:8000,http://10.0.0.8:8000")
     assert command.startswith("+ env TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 echo launch.py --nnodes 2 "
                               "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id r "
-                              "--rdzv-conf is_host=0 --nproc-per-node 1 crd.py ")
+                              "--rdzv-conf is_host=0,join_timeout=600 --nproc-per-node 1 crd.py ")
     assert command.endswith(" --reward vllm --reward-model Qwen/Qwen2.5-VL-3B-Instruct --reward-urls "
                             "http://10.0.0.7:8000 http://10.0.0.8:8000 --run-name r --resume-from "
                             "latest")  # no --text-encoder-device: no reward GPU here
