@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from rollout import RANDOM_MEDIUM, TINY, available_host_memory, load_pipeline, tiny_model_dir
+from rollout import (RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory, cache_root,
+                     load_pipeline)
 
 
 # Values a transformer block keeps per token and hidden unit for its backward: 34 bytes at 16 bits
@@ -55,17 +56,21 @@ def iteration_memory(args, pipe, dtype):
 def model_shape(model):
     """What iteration_memory reads of a pipeline (the transformer's config, the VAE's scale factor,
     the tokenizer's length), without its weights: the random model built on the meta device, a
-    local folder's config files; None for a hub id (the run checks once the model has loaded)."""
+    local folder's config files (the tiny model's once its first use has saved it); None where
+    there are none to read, a hub id too (the run checks once the model has loaded)."""
     if model == RANDOM_MEDIUM:
         return load_pipeline(model, device="meta")
-    path = tiny_model_dir(None) if model == TINY else Path(model).expanduser()
-    if not path.is_dir():
+    path = cache_root() / TINY_DIR_NAME if model == TINY else Path(model).expanduser()
+    if not path.is_dir():  # a hub id: diffusers would download its configs
         return None
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    transformer = SD3Transformer2DModel.load_config(path, subfolder="transformer")
-    vae = AutoencoderKL.load_config(path, subfolder="vae")
-    tokenizer = json.loads((path / "tokenizer" / "tokenizer_config.json").read_text())
+    try:
+        transformer = SD3Transformer2DModel.load_config(path, subfolder="transformer")
+        vae = AutoencoderKL.load_config(path, subfolder="vae")
+        tokenizer = json.loads((path / "tokenizer" / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):  # not a diffusers model's folder: the run says so
+        return None
     return SimpleNamespace(transformer=SimpleNamespace(config=SimpleNamespace(**transformer)),
                            vae_scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
                            tokenizer_max_length=tokenizer.get("model_max_length", 77))

@@ -77,7 +77,7 @@ def engine_model_path(model: str) -> str:
         raise RuntimeError(f"{FLAG} loads the model from files; --model {model} is built in memory "
                            "(save its pipeline with save_pretrained and pass that folder)")
     if model == rollout.TINY:
-        return str(rollout.tiny_model_dir(None))
+        return str(rollout._tiny_model_dir(None))
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else model  # the engine's processes resolve it
 

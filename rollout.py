@@ -141,7 +141,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("CRD_CACHE") or Path.home() / ".cache" / "crd")  # empty is not the current directory
 
 
-def tiny_model_dir(cache_dir: str | Path | None) -> Path:
+def _tiny_model_dir(cache_dir: str | Path | None) -> Path:
     """The tiny model's directory, built (with a fixed seed) and saved on first use. A RuntimeError names CRD_CACHE
     (or `cache_dir`) when the build cannot start there: a file in the way, or no permission."""
     from diffusers import StableDiffusion3Pipeline
@@ -313,7 +313,7 @@ def load_pipeline(model: str, device: str | torch.device = "cpu", dtype: torch.d
             torch.set_default_dtype(default_dtype)
     else:
         check_model_path(model)
-        path = tiny_model_dir(cache_dir) if model == TINY else os.path.expanduser(model)
+        path = _tiny_model_dir(cache_dir) if model == TINY else os.path.expanduser(model)
         try:
             pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError, KeyError, SafetensorError) as e:  # KeyError: a model_index.json lacking a part
