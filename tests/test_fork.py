@@ -46,18 +46,24 @@ def module_level_fork(page, crd, heading):
     return "".join(lines)
 
 
+def train_fork(script, tiny_model_dir, tmp_path, *extra):
+    """The fork `script` on the tiny model (brightness reward, CPU) as run `fork` in tmp_path/runs,
+    its sibling modules found on PYTHONPATH: the finished process."""
+    cmd = [sys.executable, str(script), "--model", "tiny", "--reward", "brightness", "--device",
+           "cpu", "--train-data", str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"),
+           "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
+           "--max-sequence-length", "96", *map(str, extra),
+           "--output-dir", str(tmp_path / "runs"), "--run-name", "fork"]
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_the_docs_fork_example_trains(tiny_model_dir, tmp_path):
     fork = forked_crd((ROOT / "docs" / "fork.md").read_text(), (ROOT / "crd.py").read_text())
     assert fork != (ROOT / "crd.py").read_text() and "# no centering" in fork
     script = tmp_path / "myalgo.py"
     script.write_text(fork)
-    cmd = [sys.executable, str(script), "--model", "tiny", "--reward", "brightness", "--device",
-           "cpu", "--train-data", str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"),
-           "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
-           "--num-iterations", "1", "--eval-every", "0", "--max-sequence-length", "96",
-           "--output-dir", str(tmp_path / "runs"), "--run-name", "fork"]
-    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = train_fork(script, tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 0)
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "fork"
     summary = json.loads((run / "summary.json").read_text())
@@ -80,14 +86,9 @@ def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tm
     assert fork[fork.index('if __name__ == "__main__":'):] == crd[crd.index('if __name__ == "__main__":'):]
     script = tmp_path / "onpolicy.py"
     script.write_text(fork)
-    cmd = [sys.executable, str(script), "--model", "tiny", "--reward", "brightness", "--device",
-           "cpu", "--train-data", str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"),
-           "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
-           "--learning-rate", "3e-3", "--num-iterations", "2", "--eval-every", "2",
-           "--eval-prompts", "4", "--eval-steps", "4", "--eval-judge", "none", "--save-every", "2",
-           "--max-sequence-length", "96", "--output-dir", str(tmp_path / "runs"), "--run-name", "fork"]
-    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    settings = ("--learning-rate", "3e-3", "--eval-every", 2, "--eval-prompts", 4, "--eval-steps", 4,
+                "--eval-judge", "none", "--save-every", 2)
+    result = train_fork(script, tiny_model_dir, tmp_path, *settings, "--num-iterations", 2)
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "fork"
     evals = {line["iteration"]: line["reward"]
@@ -103,9 +104,8 @@ def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tm
     edited = tmp_path / "edited" / script.name
     edited.parent.mkdir()
     edited.write_text(crd)
-    resumed = subprocess.run([sys.executable, str(edited), *cmd[2:], "--num-iterations", "3",
-                              "--resume-from", str(run / "global_step_2")],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    resumed = train_fork(edited, tiny_model_dir, tmp_path, *settings, "--num-iterations", 3,
+                         "--resume-from", run / "global_step_2")
     assert resumed.returncode == 1
     assert resumed.stderr.strip().splitlines()[-1] == (
         f"onpolicy.py: error: --resume-from {run / 'global_step_2'}: the run validated its policy adapter, "
@@ -115,6 +115,7 @@ def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tm
     cmd = [sys.executable, str(ROOT / "evaluate.py"), "--checkpoint", str(run / "global_step_2"),
            "--eval-data", str(DATA / "test.txt"), "--num-prompts", "4", "--reward", "brightness",
            "--judge", "none", "--device", "cpu", "--output-dir", str(tmp_path / "evals")]
+    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--adapter policy" in result.stdout  # the validation protocol it took from the checkpoint
@@ -137,13 +138,8 @@ def test_a_fork_whose_schedule_gives_nan_stops_in_one_line_with_its_snapshots_fi
     script = tmp_path / "nanfork.py"
     script.write_text(crd.replace(original, '    return float("nan") if step >= 6 else '
                                             '(initial if step < start else maximum)\n'))
-    cmd = [sys.executable, str(script), "--model", "tiny", "--reward", "brightness", "--device",
-           "cpu", "--train-data", str(DATA / "train.txt"), "--eval-data", str(DATA / "test.txt"),
-           "--resolution", "64", "--prompts-per-rank", "2", "--group-size", "4",
-           "--num-iterations", "4", "--eval-every", "0", "--save-every", "1",
-           "--output-dir", str(tmp_path / "runs"), "--run-name", "fork"]
-    env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = train_fork(script, tiny_model_dir, tmp_path, "--num-iterations", 4, "--eval-every", 0,
+                        "--save-every", 1)
     run = tmp_path / "runs" / "fork"
     why = ("the old adapter's EMA decay is nan, outside [0, 1]: its schedule (ema_decay and its "
            "flag) gave it; the adapter is unchanged")
