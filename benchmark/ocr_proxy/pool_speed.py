@@ -22,6 +22,7 @@ import torch  # noqa: F401  (imported before the fork, as the benchmark driver d
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmark.ocr_proxy.machine import process_cpu_and_threads  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, render  # noqa: E402
 
@@ -48,24 +49,16 @@ def noisy_renders(count: int, noise: float) -> tuple[np.ndarray, list[str]]:
     return np.stack(images).astype(np.uint8), words
 
 
-def cpu_s_and_threads(pid: int) -> tuple[float, int]:
-    """A process's user + system CPU seconds and its threads, from /proc."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    threads = int(next(line for line in status if line.startswith("Threads:")).split()[1])
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"), threads
-
-
 def measure(args: Args, opencv_threads: int, images: np.ndarray, words: list[str]) -> tuple[dict, list[str]]:
     pool = OcrPool(args.workers, None if opencv_threads == -1 else opencv_threads)
     try:
         warm = 4 * args.workers
         pool.score(images[:warm], words[:warm])
-        before = [cpu_s_and_threads(pid)[0] for pid in pool.pids()]
+        before = [process_cpu_and_threads(pid)[0] for pid in pool.pids()]
         start = time.perf_counter()
         scores, texts = pool.score(images, words)
         wall = time.perf_counter() - start
-        after = [cpu_s_and_threads(pid) for pid in pool.pids()]
+        after = [process_cpu_and_threads(pid) for pid in pool.pids()]
     finally:
         pool.close()
     cpu = sum(a[0] - b for a, b in zip(after, before))
