@@ -101,6 +101,8 @@ class EventsFile:
 
     def __getattr__(self, name):
         method = getattr(self.writer, name)
+        if not callable(method):  # log_dir and the like: read as they are
+            return method
 
         def guarded(*args, **kwargs):
             try:
