@@ -445,36 +445,78 @@ def test_the_ten_seed_file_holds_the_five_seed_runs_unchanged_and_ten_seeds_of_e
     assert all(run["iterations"] == 225 for run in runs.values())
 
 
-def test_results_md_shows_the_guided_anchor_s_reward_attributable_gain_and_its_context():
+@pytest.mark.parametrize("algo, name, file", [
+    ("crd", "CRD", "ocr_proxy_guided_anchor_control_h200.json"),
+    ("dgpo", "DGPO", "ocr_proxy_guided_anchor_control_dgpo_h200.json")])
+def test_results_md_shows_the_guided_anchor_s_reward_attributable_gain_and_its_context(algo, name,
+                                                                                     file):
     """The guided-anchor section's numbers: compare.py's paired gain at iteration 200, and the
     file's comparison with the unguided-anchor runs, recomputed from the two files."""
     results = COMPARE.parents[2] / "benchmark" / "results"
-    path = results / "ocr_proxy_guided_anchor_control_h200.json"
+    path = results / file
     printed = run_compare(path, "--iteration", 200).stdout
     validation = printed.split("### validation at iteration 200")[1].split("###")[0]
     gain = validation.split("reward-attributable gain (paired by seed)")[1]
     row = next(ROW.finditer(gain))
     shown = (COMPARE.parents[2] / "benchmark" / "RESULTS.md").read_text()
-    interval = f"{row['diff']} [{row['low']}, {row['high']}]"
-    assert f"**The reward's part is resolved: {interval}**" in shown
-    assert f"MDE {row['mde']}" in shown
+    section = shown.split("## The guided KL anchor beside a reward-blind control")[1]
+    section = section.split("\n## ")[0]
+    assert f"{name} **{row['diff']} [{row['low']}, {row['high']}]** (MDE {row['mde']}" in section
     guided = json.loads(path.read_text())
     unguided = json.loads((results / "ocr_proxy_three_way_10seeds_h200.json").read_text())
+    assert guided["benchmark"]["args"]["algorithms"] == [algo]
 
     def at_200(runs, name):
         return np.array([runs[name.format(seed)]["per_prompt"]["200"] for seed in range(3)])
 
-    rewarded = at_200(guided["benchmark"]["runs"], "crd_seed{}")
-    control = at_200(guided["benchmark"]["runs"], "crd_klonly_seed{}")
-    kl_cfg1 = at_200(unguided["benchmark"]["runs"], "crd_tuned_seed{}")
-    for a, key in ((rewarded, "crd (kl-cfg 4.5)"), (control, "crd klonly (kl-cfg 4.5)")):
+    rewarded = at_200(guided["benchmark"]["runs"], algo + "_seed{}")
+    control = at_200(guided["benchmark"]["runs"], algo + "_klonly_seed{}")
+    kl_cfg1 = at_200(unguided["benchmark"]["runs"], algo + "_tuned_seed{}")
+    for a, key in ((rewarded, f"{algo} (kl-cfg 4.5)"), (control, f"{algo} klonly (kl-cfg 4.5)")):
         expected = difference(a, kl_cfg1)
-        assert guided["against_kl_cfg1"][f"{key} - crd tuned (kl-cfg 1)"] == expected
+        assert guided["against_kl_cfg1"][f"{key} - {algo} tuned (kl-cfg 1)"] == expected
         assert (f"{signed(expected['diff'])} [{signed(expected['low'])}, "
-                f"{signed(expected['high'])}]") in shown
-    assert f"| CRD, guided anchor (`--kl-cfg 4.5`) | {rewarded.mean():.3f} |" in shown
-    assert f"| its reward-blind control | {control.mean():.3f} |" in shown
-    assert f"the 10-seed file's seeds 0–2) | {kl_cfg1.mean():.3f} |" in shown
+                f"{signed(expected['high'])}]") in section
+    column = ("CRD", "DGPO").index(name) + 2
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ")[column - 1]
+            for line in section.splitlines() if line.startswith("| ") and " | " in line}
+    assert rows["guided anchor (`--kl-cfg 4.5`)"] == f"{rewarded.mean():.3f}"
+    assert rows["its reward-blind control"] == f"{control.mean():.3f}"
+    assert rows["unguided anchor (`--kl-cfg 1`; the 10-seed file's seeds 0–2)"] == \
+        f"{kl_cfg1.mean():.3f}"
+
+
+def test_results_md_compares_crd_and_dgpo_under_the_guided_anchor():
+    """The files' CRD - DGPO differences under the guided anchor, recomputed from the runs, are
+    the section's."""
+    results = COMPARE.parents[2] / "benchmark" / "results"
+    crd = json.loads((results / "ocr_proxy_guided_anchor_control_h200.json").read_text())
+    dgpo = json.loads((results / "ocr_proxy_guided_anchor_control_dgpo_h200.json").read_text())
+    shown = (COMPARE.parents[2] / "benchmark" / "RESULTS.md").read_text()
+    section = shown.split("## The guided KL anchor beside a reward-blind control")[1]
+    section = section.split("\n## ")[0]
+
+    def at_200(report, name):
+        runs = report["benchmark"]["runs"]
+        return np.array([runs[name.format(seed)]["per_prompt"]["200"] for seed in range(3)])
+
+    crd_rewarded, crd_control = at_200(crd, "crd_seed{}"), at_200(crd, "crd_klonly_seed{}")
+    dgpo_rewarded, dgpo_control = at_200(dgpo, "dgpo_seed{}"), at_200(dgpo, "dgpo_klonly_seed{}")
+    stored = dgpo["against_crd"]
+    pairs = {"crd - dgpo (both kl-cfg 4.5)": (crd_rewarded, dgpo_rewarded),
+             "crd klonly - dgpo klonly (both kl-cfg 4.5)": (crd_control, dgpo_control),
+             "reward-attributable gain: (crd - crd klonly) - (dgpo - dgpo klonly)":
+                 (crd_rewarded - crd_control, dgpo_rewarded - dgpo_control)}
+    unguided = json.loads((results / "ocr_proxy_three_way_10seeds_h200.json").read_text())
+    key = ("crd tuned - dgpo tuned (both kl-cfg 1, seeds 0-2 of "
+           "ocr_proxy_three_way_10seeds_h200.json)")
+    pairs[key] = (at_200(unguided, "crd_tuned_seed{}"), at_200(unguided, "dgpo_tuned_seed{}"))
+    assert stored.keys() == pairs.keys()
+    for key, (a, b) in pairs.items():
+        expected = difference(a, b)
+        assert stored[key] == expected
+        assert (f"{signed(expected['diff'])} [{signed(expected['low'])}, "
+                f"{signed(expected['high'])}]") in section
 
 
 def signed(x):
