@@ -36,6 +36,24 @@ QWEN_PROMPT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     "<|vision_start|>{image_pads}<|vision_end|>{instruction}<|im_end|>\n<|im_start|>assistant\n"
 )
+# A chat template that renders what Qwen2.5-VL-Instruct's does for text and image turns (QWEN_PROMPT
+# for one user turn): `vllm serve` of a saved random model builds the same prompt as of the real one
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 _QUOTED = re.compile(r'"([^"]*)"')
 # Qwen2.5-VL-3B-Instruct's architecture with random weights (benchmarks)
 RANDOM_QWEN = "random-qwen2.5-vl-3b"
@@ -367,6 +385,19 @@ def random_qwen_vl(spec: dict, device="cpu", dtype=None):
     min_pixels, max_pixels = spec["pixels"]
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     return tokenizer, Qwen2VLImageProcessorPil(size=size), model
+
+
+def save_random_qwen_vl(out_dir: str, spec: dict = QWEN_3B, device: str = "cpu") -> None:
+    """Save a random-weight Qwen2.5-VL of architecture `spec` (bfloat16 on CUDA) as a folder that
+    `vllm serve` and --reward qwen-vl load as they load the real model: safetensors weights, the
+    byte tokenizer with QWEN_CHAT_TEMPLATE, the image processor."""
+    import torch
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    tokenizer, image_processor, model = random_qwen_vl(spec, device, dtype)
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    for part in (tokenizer, image_processor, model):
+        part.save_pretrained(out_dir)
 
 
 def brightness(images, targets=None) -> tuple[np.ndarray, list[str]]:

@@ -4,7 +4,9 @@
 #   bash run.sh dgpo [trainer args...]     the matched DGPO baseline
 #   bash run.sh nft  [trainer args...]     the matched DiffusionNFT baseline
 #   bash run.sh compare RUN_DIR [RUN_DIR...]   the anchor table of finished runs, side by side
-# Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
+# Environment overrides: NUM_GPUS_ACTOR_ROLLOUT (1), NUM_GPUS_REWARD (1), REWARD_ON_ACTOR_GPU (0; 1: `vllm serve` on
+# the one actor GPU, for one-GPU machines), REWARD_GPU_MEMORY (the fraction of its GPU the server takes: 0.7 alone,
+# 0.3 beside the actor), GROUP_SIZE (6), IMAGE_RESOLUTION (512),
 # TOTAL_TRAINING_STEPS (100 iterations), EVAL_PROMPTS (32 held-out prompts per validation; the anchor table used 128),
 # OUTPUT_DIR (runs/crd, runs/dgpo or runs/nft), TRAIN_DATA, EVAL_DATA, MODEL,
 # REWARD_MODEL, REWARD_PORT (8000), PYTHON (python3: the interpreter with the requirements, e.g. a virtualenv's),
@@ -119,6 +121,12 @@ JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}
 RUN_NAME=${RUN_NAME:-}
 RDZV_ID=${RDZV_ID:-$RUN_NAME}
 REWARD_URLS=${REWARD_URLS:-}
+REWARD_ON_ACTOR_GPU=${REWARD_ON_ACTOR_GPU:-0}
+if [[ $REWARD_ON_ACTOR_GPU == 1 ]]; then
+  REWARD_GPU_MEMORY=${REWARD_GPU_MEMORY:-0.3}  # vLLM's share; the trainer keeps the rest
+else
+  REWARD_GPU_MEMORY=${REWARD_GPU_MEMORY:-0.7}  # vLLM's default 0.9 would leave no room for the text encoders
+fi
 for name in NUM_GPUS_ACTOR_ROLLOUT NUM_GPUS_REWARD GROUP_SIZE IMAGE_RESOLUTION TOTAL_TRAINING_STEPS EVAL_PROMPTS REWARD_PORT \
             STOP_TIMEOUT NNODES NODE_RANK MASTER_PORT MAX_RESTARTS JOIN_TIMEOUT; do
   [[ ${!name} =~ ^(0|[1-9][0-9]*)$ ]] || { echo "run.sh: error: $name=${!name}: not a whole number" >&2; exit 1; }
@@ -126,6 +134,15 @@ done
 (( NUM_GPUS_ACTOR_ROLLOUT > 0 )) || { echo "run.sh: error: NUM_GPUS_ACTOR_ROLLOUT=0: at least 1 actor GPU is needed" >&2; exit 1; }
 (( REWARD_PORT >= 1 && REWARD_PORT <= 65535 )) || { echo "run.sh: error: REWARD_PORT=$REWARD_PORT: not a TCP port (1-65535)" >&2; exit 1; }
 error() { echo "run.sh: error: $*" >&2; exit 1; }
+[[ $REWARD_ON_ACTOR_GPU == [01] ]] || error "REWARD_ON_ACTOR_GPU=$REWARD_ON_ACTOR_GPU: 0 or 1"
+[[ $REWARD_GPU_MEMORY =~ ^0?\.[0-9]*[1-9][0-9]*$ ]] \
+  || error "REWARD_GPU_MEMORY=$REWARD_GPU_MEMORY: a fraction of the GPU's memory, between 0 and 1"
+if [[ $REWARD_ON_ACTOR_GPU == 1 ]]; then
+  (( NUM_GPUS_ACTOR_ROLLOUT == 1 )) \
+    || error "REWARD_ON_ACTOR_GPU=1: the server shares one actor GPU, not $NUM_GPUS_ACTOR_ROLLOUT"
+  [[ -z $REWARD_URLS ]] || error "REWARD_ON_ACTOR_GPU=1 and REWARD_URLS: the servers run elsewhere"
+  NUM_GPUS_REWARD=0  # no GPU of its own
+fi
 (( NNODES >= 1 )) || error "NNODES=0: at least 1 node is needed"
 (( NODE_RANK < NNODES )) || error "NODE_RANK=$NODE_RANK: must be below NNODES=$NNODES"
 (( MASTER_PORT >= 1 && MASTER_PORT <= 65535 )) \
@@ -187,11 +204,13 @@ serve_reward=false
 if [[ -n $REWARD_URLS ]]; then
   read -ra urls <<<"${REWARD_URLS//,/ }"
   reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "${urls[@]}")
-elif (( NUM_GPUS_REWARD == 0 )); then
+elif (( NUM_GPUS_REWARD == 0 && REWARD_ON_ACTOR_GPU == 0 )); then
   reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL")          # scored on each actor's own GPU
 elif reads_served_reward "$@" && "$PYTHON" -c "import vllm" 2>/dev/null; then
   serve_reward=true
   reward_args+=(--reward vllm --reward-model "$REWARD_MODEL" --reward-urls "http://127.0.0.1:$REWARD_PORT")
+elif (( REWARD_ON_ACTOR_GPU == 1 )); then
+  reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL")          # in the trainer, on its GPU
 else
   reward_args+=(--reward qwen-vl --reward-model "$REWARD_MODEL" --reward-device "cuda:$NUM_GPUS_ACTOR_ROLLOUT")
 fi
@@ -209,18 +228,23 @@ if $serve_reward; then
   echo "$checked"
   [[ $checked != *" is complete: "* ]] || exit 0  # RUN_NAME's run did all its iterations (a rerun, a requeued job)
   reward_gpus=$(seq -s, "$NUM_GPUS_ACTOR_ROLLOUT" $((needed - 1)))
+  serving_gpus=$NUM_GPUS_REWARD
+  if (( REWARD_ON_ACTOR_GPU == 1 )); then
+    reward_gpus=0  # the actor's
+    serving_gpus=1
+  fi
   log="$OUTPUT_DIR/reward_server.log"
   if (( NNODES > 1 )); then
     log="$OUTPUT_DIR/reward_server.node$NODE_RANK.log"  # one server per node, OUTPUT_DIR shared
   fi
   mkdir -p "$OUTPUT_DIR"
-  # --gpu-memory-utilization: vLLM's default 0.9 would leave no room for the text encoders beside it
-  serve=(vllm serve "$REWARD_MODEL" --host 127.0.0.1 --port "$REWARD_PORT" --data-parallel-size "$NUM_GPUS_REWARD"
-         --max-model-len 4096 --limit-mm-per-prompt '{"image": 1}' --gpu-memory-utilization 0.7)
+  serve=(vllm serve "$REWARD_MODEL" --host 127.0.0.1 --port "$REWARD_PORT" --data-parallel-size "$serving_gpus"
+         --max-model-len 4096 --limit-mm-per-prompt '{"image": 1}' --gpu-memory-utilization "$REWARD_GPU_MEMORY")
   echo "+ CUDA_VISIBLE_DEVICES=$reward_gpus ${serve[*]} (log: $log)"
   CUDA_VISIBLE_DEVICES=$reward_gpus setsid "${serve[@]}" >"$log" 2>&1 &
   server=$!
   trap 'kill -- -$server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+  started=$SECONDS
   for _ in $(seq 600); do
     curl -sf "http://127.0.0.1:$REWARD_PORT/health" >/dev/null && break
     kill -0 "$server" 2>/dev/null || { echo "run.sh: error: the reward server exited; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
@@ -228,6 +252,7 @@ if $serve_reward; then
   done
   curl -sf "http://127.0.0.1:$REWARD_PORT/health" >/dev/null \
     || { echo "run.sh: error: the reward server did not become healthy in 600 s; last lines of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
+  echo "run.sh: the reward server answered after $(( SECONDS - started )) s"
 fi
 
 if (( NUM_GPUS_ACTOR_ROLLOUT == 1 && NNODES == 1 && MAX_RESTARTS == 0 )); then

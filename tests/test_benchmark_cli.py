@@ -43,3 +43,25 @@ def test_judge_speed_says_what_it_is_doing_and_prints_the_times_it_reports(tmp_p
         f"float32: timed call 1/2: {seconds[0]:.3f} s",
         f"float32: timed call 2/2: {seconds[1]:.3f} s"], result.stdout
     assert re.fullmatch(r"built [\d,]+ parameters; loading them as PickScoreScorer does", lines[1])
+
+
+def test_served_recipe_on_a_machine_without_a_gpu_is_one_line(tmp_path):
+    result = run("benchmark/served_recipe.py", "--out", tmp_path / "served",
+                 env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "served_recipe.py: error: needs a CUDA GPU (torch sees none): it serves the full-size "
+        "reward model beside the full-size trainer"]
+    assert not (tmp_path / "served").exists()
+
+
+def test_served_recipe_charges_the_trainer_s_process_and_every_other_to_the_server(tmp_path):
+    """The trainer is run.sh's own process (exec); the server's API process and its engine core
+    (whose command line does not say vllm) are the rest."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '111, 2048'\necho '222, 1024'\necho '333, 512'\n")
+    smi.chmod(0o755)
+    code = ("import sys, time; sys.path.insert(0, 'benchmark'); import served_recipe; "
+            "s = served_recipe.MemorySampler(111); time.sleep(1.5); print(s.stop())")
+    result = run("-c", code, env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "{'trainer': 2.0, 'reward server': 1.5}"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from ocr_server import ocr_server
 from PIL import Image, ImageDraw, ImageFont
+from transformers import AutoTokenizer
 
 import ocr_reward
 import tiny_models
@@ -157,6 +158,30 @@ def test_qwen_vl_prompt_has_instruction_and_image_tokens(tiny_qwen):
     prompt = ocr_reward.QWEN_PROMPT.format(image_pads="<|image_pad|>" * 4, instruction=INSTRUCTION)
     ids = scorer.tokenizer(prompt)["input_ids"]
     assert ids.count(scorer.image_token_id) == 4 and scorer.tokenizer.decode(ids) == prompt
+
+
+@pytest.mark.parametrize("messages, rendered", [
+    # OpenAI's image part, and the bare one `vllm serve` passes to the template: the scorer's prompt
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}},
+                                   {"type": "text", "text": INSTRUCTION}]}], None),
+    ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": INSTRUCTION}]}], None),
+    ([{"role": "system", "content": "Read."}, {"role": "user", "content": "1234"}],
+     "<|im_start|>system\nRead.<|im_end|>\n<|im_start|>user\n1234<|im_end|>\n"
+     "<|im_start|>assistant\n"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "video"}]},
+      {"role": "assistant", "content": "b"}],
+     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+     "a<|vision_start|><|video_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+     "<|im_start|>assistant\n"),
+])
+def test_the_saved_model_s_chat_template_renders_qwen_s_prompt(tiny_qwen, messages, rendered):
+    """The folder's chat template (what `vllm serve` builds the prompt from) gives the in-process
+    scorer's prompt for a reward request, and Qwen's turns otherwise."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen)
+    expected = rendered or ocr_reward.QWEN_PROMPT.format(image_pads="<|image_pad|>",
+                                                         instruction=INSTRUCTION)
+    assert tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=True) == expected
 
 
 def test_qwen_vl_missing_model_is_clear(tmp_path):

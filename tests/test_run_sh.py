@@ -115,6 +115,29 @@ def test_reward_server_serves_the_run_and_stops_with_it(tmp_path, tiny_model_dir
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def test_one_gpu_serves_the_reward_beside_the_actor(tmp_path, tiny_model_dir):
+    """REWARD_ON_ACTOR_GPU=1 on a one-GPU machine: the server goes on GPU 0 with a third of its
+    memory, the text encoders stay with the actor, and the run scores through the server."""
+    port = free_port()
+    env = {**fake_tools(tmp_path, gpus=1), "CRD_CACHE": str(tiny_model_dir.parent),
+           "OUTPUT_DIR": str(tmp_path / "runs"), "REWARD_PORT": str(port), "REWARD_ON_ACTOR_GPU": "1",
+           "TRAIN_DATA": str(DATA / "train.txt"), "EVAL_DATA": str(DATA / "test.txt"),
+           "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64", "TOTAL_TRAINING_STEPS": "1", "EVAL_PROMPTS": "3"}
+    result = run_sh(env, "crd", "--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1",
+                    "--eval-every", "0", "--run-name", "shared")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("+ CUDA_VISIBLE_DEVICES=0 vllm serve Qwen/Qwen2.5-VL-3B-Instruct --host 127.0.0.1 "
+            f"--port {port} --data-parallel-size 1 ") in result.stdout
+    assert "--gpu-memory-utilization 0.3 " in result.stdout
+    assert re.search(r"^run\.sh: the reward server answered after \d+ s$", result.stdout, re.M)
+    command = result.stdout.split(f"+ {sys.executable} crd.py ")[1].splitlines()[0]
+    assert "--text-encoder-device" not in command and "--reward-device" not in command
+    assert f"--reward-urls http://127.0.0.1:{port}" in command
+    server_log = (tmp_path / "runs" / "reward_server.log").read_text()
+    assert server_log.count("chat completion") == 2
+    assert (tmp_path / "runs" / "shared" / "summary.json").is_file()
+
+
 def test_a_cpu_host_runs_the_recipe_launcher_with_device_cpu(tmp_path, tiny_model_dir):
     """--device cpu on a host without a GPU (nvidia-smi finds no driver): run.sh counts no GPU,
     starts no reward server and trains; without --device cpu it names the GPUs missing."""
@@ -181,6 +204,14 @@ def test_a_trainer_error_is_its_one_line(tmp_path):
     ({"MAX_RESTARTS": "two"}, "MAX_RESTARTS=two: not a whole number"),
     ({"NNODES": "2"}, "RUN_NAME: needed with NNODES=2, for every node and restart to name one run "
                       "directory"),
+    ({"REWARD_ON_ACTOR_GPU": "yes"}, "REWARD_ON_ACTOR_GPU=yes: 0 or 1"),
+    ({"REWARD_GPU_MEMORY": "1"}, "REWARD_GPU_MEMORY=1: a fraction of the GPU's memory, between 0 and 1"),
+    ({"REWARD_GPU_MEMORY": "0.0"},
+     "REWARD_GPU_MEMORY=0.0: a fraction of the GPU's memory, between 0 and 1"),
+    ({"REWARD_ON_ACTOR_GPU": "1", "NUM_GPUS_ACTOR_ROLLOUT": "2"},
+     "REWARD_ON_ACTOR_GPU=1: the server shares one actor GPU, not 2"),
+    ({"REWARD_ON_ACTOR_GPU": "1", "REWARD_URLS": "http://10.0.0.2:8000"},
+     "REWARD_ON_ACTOR_GPU=1 and REWARD_URLS: the servers run elsewhere"),
 ])
 def test_bad_environment_overrides_are_one_line(tmp_path, override, message):
     result = run_sh({**fake_tools(tmp_path), **override}, "crd", timeout=30)

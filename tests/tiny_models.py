@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from judges import aesthetic_head
-from ocr_reward import MROPE, random_qwen_vl
+from ocr_reward import MROPE, save_random_qwen_vl
 
 
 TINY_QWEN = dict(  # images capped at 112x112 pixels (16 image tokens) so that CPU tests stay fast
@@ -67,6 +67,5 @@ def build_tiny_qwen_vl(out_dir: str | Path) -> Path:
     import torch
 
     torch.manual_seed(0)
-    for part in random_qwen_vl(TINY_QWEN):
-        part.save_pretrained(out_dir)
+    save_random_qwen_vl(str(out_dir), TINY_QWEN)
     return Path(out_dir)
