@@ -65,3 +65,28 @@ def test_served_recipe_charges_the_trainer_s_process_and_every_other_to_the_serv
     result = run("-c", code, env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "{'trainer': 2.0, 'reward server': 1.5}"
+
+
+def test_results_md_shows_the_served_recipe_s_figures_from_its_file():
+    """The served-recipe section's table is the result file's comparison, figure for figure."""
+    stored = json.loads((ROOT / "benchmark" / "results" / "served_recipe_h200.json").read_text())
+    served, in_process = stored["comparison"].values()
+    shown = (ROOT / "benchmark" / "RESULTS.md").read_text()
+    section = shown.split("## The recipe through run.sh with a real `vllm serve`, on one GPU")[1]
+    section = section.split("\n## ")[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip(" |").split(" | ")[1:]
+            for line in section.splitlines() if line.startswith("| ")}
+    iteration = [f"{run['mean_iteration_s']:.2f} s / {run['train_images_per_s']:.3f}"
+                 for run in (served, in_process)]
+    assert rows["steady iteration (eager) / training images a second"] == iteration
+    assert rows["the reward's own time an iteration (24 images), median"] == [
+        f"{served['reward_s_median']:.2f} s", f"{in_process['reward_s_median']:.2f} s"]
+    memory = served["device_memory_gib_nvidia_smi"]
+    assert rows["device memory (nvidia-smi peak)"] == [
+        f"trainer {memory['trainer']:.1f} GiB, server {memory['reward server']:.1f} GiB",
+        f"trainer {in_process['device_memory_gib_nvidia_smi']['trainer']:.1f} GiB"]
+    assert rows["`run.sh` launch to exit"] == [f"{served['run_sh_wall_s']} s",
+                                               f"{in_process['run_sh_wall_s']} s"]
+    assert f"the reward server answered after {served['server_start_s']} s" in section
+    assert f"the server answered {served['chat_completions']} chat" in section
+    assert served["failed_requests"] == 0 and served["exit_status"] == in_process["exit_status"] == 0
