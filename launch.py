@@ -17,16 +17,31 @@ SIGTERM to the ranks, which save, and launch.py exits 143. With --max-restarts, 
 store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so that a restart survives a killed rank 0.
 torchrun kills ranks that are still running --shutdown-timeout seconds (default 30) after it forwarded a signal: give a
 graceful stop the time of an iteration and a checkpoint (run.sh does).
+At the end each node's agent waits for the others' (torch's exit barrier, 300 s): the ranks leave
+together, so here it waits EXIT_BARRIER_TIMEOUT seconds (30), and an agent that never comes (killed,
+or failed on its node) is one line.
 """
 
+import logging
 import os
 import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
-from torch.distributed.run import determine_local_world_size, main, parse_args
+# the agent's own C++ warnings (a store socket's timeout at the exit barrier, a peer's store gone at
+# the end): off before torch loads, and back to torch's default for the ranks it starts
+AGENT_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL" not in os.environ
+if AGENT_CPP_LOG_LEVEL:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+
+import torch.distributed.launcher.api as launcher_api  # noqa: E402
+from torch.distributed.elastic.agent.server import api as agent_api  # noqa: E402
+from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: E402
+    LocalElasticAgent)
+from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
+    RendezvousConnectionError, RendezvousTimeoutError)
+from torch.distributed.run import determine_local_world_size, main, parse_args  # noqa: E402
 
 # a rank's exit code after the stop every rank agrees on when any rank gets SIGTERM or SIGINT (128 + signal)
 AGREED_STOPS = (128 + signal.SIGTERM, 128 + signal.SIGINT)
@@ -52,6 +67,40 @@ def check_nproc_per_node(value):
         fail("must be at least 1")
 
 
+def exit_barrier_timeout():
+    """EXIT_BARRIER_TIMEOUT's seconds (30 by default), or one line."""
+    value = os.environ.get("EXIT_BARRIER_TIMEOUT", "30")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        sys.exit(f"launch.py: error: EXIT_BARRIER_TIMEOUT={value}: not a number of seconds above 0")
+    return seconds
+
+
+class BarrierTimeout(logging.Filter):
+    """Takes torch's traceback of an exit barrier that timed out, and says it in one line."""
+
+    def filter(self, record):
+        if not record.getMessage().startswith("Error waiting on exit barrier"):
+            return True
+        print(f"launch.py: another node's agent did not finish in {NodeAgent.timeout:g} s "
+              "(EXIT_BARRIER_TIMEOUT): it was killed or its ranks failed; this node's ranks ended",
+              file=sys.stderr, flush=True)
+        return False
+
+
+class NodeAgent(LocalElasticAgent):
+    """torchrun's agent with a shorter exit barrier: the ranks leave together (a barrier before
+    they exit), so the agents of every node reach it within seconds of each other."""
+
+    timeout = 30.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, exit_barrier_timeout=self.timeout, **kwargs)
+
+
 def stop_on_usr1(signum, frame):
     """SIGUSR1: torchrun's way of stopping on SIGTERM (it forwards SIGTERM to the ranks)."""
     stop_on_usr1.received = True
@@ -62,6 +111,8 @@ stop_on_usr1.received = False
 
 
 if __name__ == "__main__":
+    if AGENT_CPP_LOG_LEVEL:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]  # this process read it when torch loaded
     torchrun_args = parse_args(sys.argv[1:])  # torchrun's parser: every spelling of a flag
     check_nproc_per_node(torchrun_args.nproc_per_node)
     if torchrun_args.max_restarts > 0:
@@ -69,6 +120,9 @@ if __name__ == "__main__":
         # 0's gloo/NCCL address before the new rank 0 writes its own (pytorch/pytorch#135712)
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     signal.signal(signal.SIGUSR1, stop_on_usr1)  # torchrun handles TERM, INT, HUP and QUIT only
+    NodeAgent.timeout = exit_barrier_timeout()
+    launcher_api.LocalElasticAgent = NodeAgent  # the class torchrun's launcher builds agents of
+    agent_api.logger.addFilter(BarrierTimeout())
     try:
         main()
     except SignalException as stop:

@@ -222,6 +222,28 @@ def test_a_node_that_finds_no_rendezvous_store_stops_in_one_line(tiny_model_dir,
         "there; start it, or check the address (run.sh's MASTER_ADDR and MASTER_PORT)")
 
 
+def test_a_node_whose_peer_s_agent_was_killed_ends_after_the_exit_barrier_in_one_line(
+        tiny_model_dir, tmp_path):
+    """kill -9 of node 1's agent: nothing stops its rank, so the run ends as planned; node 0's agent
+    then waits EXIT_BARRIER_TIMEOUT (3 s here) for node 1's, not torch's 300 s, and says so in one
+    line: exit 0, no traceback, none of the agent's C++ socket warnings."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    run = tmp_path / "runs" / "run"
+    nodes = two_nodes(env, tmp_path / "node", "--num-iterations", 14, "--save-every", 1000,
+                      EXIT_BARRIER_TIMEOUT="3")
+    wait_for("events.*", run, "TensorBoard events")
+    os.kill(nodes[1].pid, signal.SIGKILL)
+    killed = time.time()
+    (code0, _, err0), (code1, _, _) = finish(nodes, [tmp_path / "node0", tmp_path / "node1"])
+    assert code0 == 0 and code1 == -signal.SIGKILL, err0[-3000:]
+    assert time.time() - killed < 120
+    assert "Traceback" not in err0 and "[W" not in err0, err0[-3000:]
+    assert err0.strip().splitlines()[-1] == (
+        "launch.py: another node's agent did not finish in 3 s (EXIT_BARRIER_TIMEOUT): it was "
+        "killed or its ranks failed; this node's ranks ended")
+    assert json.loads((run / "summary.json").read_text())["completed"]
+
+
 def test_a_stopped_node_under_max_restarts_ends_the_other_after_join_timeout(tiny_model_dir, tmp_path):
     """SIGTERM to node 1 under MAX_RESTARTS=1: both ranks stop after the same iteration, which rank 0
     saves; node 0's agent restarts its rank and waits for node 1 to join again, JOIN_TIMEOUT (10 s)
