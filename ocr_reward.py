@@ -291,8 +291,9 @@ class VLLMScorer:
                               f"{self.timeout:g} s") from None
         except self.requests.ConnectionError as e:
             raise ServerError(f"no vLLM server at {url} ({type(e).__name__}); start one with "
-                              f"`vllm serve {self.model}`, or pass the URL of a running "
-                              "one") from None
+                              f"`vllm serve {self.model}` and start training once "
+                              f"{url}/health answers (a server that is still loading its model "
+                              "refuses connections), or pass the URL of a running one") from None
         except self.requests.RequestException as e:  # a malformed URL
             hint = "; write it as http://HOST:PORT" if "://" not in url else ""
             raise ServerError(f"reward server URL {url}: {e}{hint}") from None

@@ -258,6 +258,20 @@ def test_vllm_scorer_probes_its_servers_when_built(paddle):
         assert server.requests == 0  # no image was sent
 
 
+def test_a_server_still_loading_is_named_with_what_to_wait_for():
+    """`vllm serve` holds its port while it loads the model but listens only once it serves: a
+    trainer started then is told to wait for /health, in one error, having sent nothing."""
+    with socket.socket() as loading:
+        loading.bind(("127.0.0.1", 0))  # bound, not listening
+        url = f"http://127.0.0.1:{loading.getsockname()[1]}"
+        with pytest.raises(ServerError) as info:
+            make_scorer("vllm", urls=[url], timeout=1.0, max_retries=1)
+    assert str(info.value) == (
+        f"no vLLM server at {url} (ConnectionError); start one with `vllm serve "
+        f"Qwen/Qwen2.5-VL-3B-Instruct` and start training once {url}/health answers (a server "
+        "that is still loading its model refuses connections), or pass the URL of a running one")
+
+
 def test_vllm_server_that_goes_down_is_retried_then_clear(paddle):
     with ocr_server(paddle.read) as (url, _):
         scorer = make_scorer("vllm", urls=[url], timeout=1.0, max_retries=1)
