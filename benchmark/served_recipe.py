@@ -57,8 +57,9 @@ class MemorySampler:
     the trainer (trainer_pid: run.sh execs it in its own process) and of the rest, the reward
     server (its API server spawns an engine core whose command line does not say vllm)."""
 
-    def __init__(self, trainer_pid: int):
-        self.trainer_pid, self.peaks, self.stopped = trainer_pid, {}, threading.Event()
+    def __init__(self, trainer_pid: int, env: dict):
+        self.trainer_pid, self.env, self.peaks = trainer_pid, env, {}
+        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
         self.thread.start()
 
@@ -66,10 +67,13 @@ class MemorySampler:
         while not self.stopped.wait(1.0):
             query = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                                     "--format=csv,noheader,nounits"],
-                                   capture_output=True, text=True)
+                                   capture_output=True, text=True, env=self.env)
             used = {}
             for line in query.stdout.splitlines():
-                pid, mib = (field.strip() for field in line.split(","))
+                fields = [field.strip() for field in line.split(",")]
+                if len(fields) != 2 or not all(field.isdigit() for field in fields):
+                    continue  # "[N/A]", or no such query on this driver
+                pid, mib = fields
                 name = "trainer" if int(pid) == self.trainer_pid else "reward server"
                 used[name] = used.get(name, 0.0) + float(mib) / 1024
             for name, gib in used.items():
@@ -99,20 +103,22 @@ def server_requests(log: Path) -> dict:
             "log_tail": text.splitlines()[-8:]}
 
 
-def run_sh(name: str, env: dict, args: list[str], out: Path, kill_server_at: int = 0) -> dict:
+def run_sh(name: str, env: dict, args: list[str], kill_server_at: int = 0) -> dict:
     """bash run.sh crd ARGS with ENV; with kill_server_at, the server is killed once the run's
     checkpoint global_step_{kill_server_at} exists."""
     started = time.perf_counter()
     process = subprocess.Popen(["bash", "run.sh", "crd", *args], cwd=ROOT, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    memory = MemorySampler(process.pid)
+    memory = MemorySampler(process.pid, env)
     killed = None
     if kill_server_at:
         checkpoint = Path(env["OUTPUT_DIR"]) / env["RUN_NAME"] / f"global_step_{kill_server_at}"
         while process.poll() is None and not checkpoint.exists():
             time.sleep(0.5)
         # run.sh starts the server in a session of its own: the API server and its engine core
-        servers = subprocess.run(["pgrep", "-f", "vllm.* serve "], capture_output=True, text=True)
+        port = env.get("REWARD_PORT", "8000")  # this run's server, not another on the machine
+        servers = subprocess.run(["pgrep", "-f", f"vllm.* serve .*--port {port} "],
+                                 capture_output=True, text=True)
         groups = set()
         for pid in servers.stdout.split():
             try:
@@ -186,16 +192,16 @@ def main():
             result = {"folder_gib": round(size / 2**30, 2)}
         elif phase == "served":
             result = run_sh("served", {**env, "REWARD_ON_ACTOR_GPU": "1", "RUN_NAME": "served",
-                                       "OUTPUT_DIR": str(out / "served")}, common, out)
+                                       "OUTPUT_DIR": str(out / "served")}, common)
         elif phase == "in_process":
             result = run_sh("in_process", {**env, "NUM_GPUS_REWARD": "0", "RUN_NAME": "in_process",
-                                           "OUTPUT_DIR": str(out / "in_process")}, common, out)
+                                           "OUTPUT_DIR": str(out / "in_process")}, common)
         else:
             fault = {**env, "REWARD_ON_ACTOR_GPU": "1", "RUN_NAME": "killed",
                      "OUTPUT_DIR": str(out / "killed"), "TOTAL_TRAINING_STEPS": "6"}
             args = [*common, "--save-every", "2"]
-            result = {"killed": run_sh("killed", fault, args, out, kill_server_at=2),
-                      "resumed": run_sh("resumed", fault, args, out)}
+            result = {"killed": run_sh("killed", fault, args, kill_server_at=2),
+                      "resumed": run_sh("resumed", fault, args)}
         result["phase_s"] = round(time.perf_counter() - phase_started, 1)
         results["phases"][phase] = result
         save()

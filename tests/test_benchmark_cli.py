@@ -61,8 +61,9 @@ def test_served_recipe_charges_the_trainer_s_process_and_every_other_to_the_serv
     smi.write_text("#!/bin/sh\necho '111, 2048'\necho '222, 1024'\necho '333, 512'\n")
     smi.chmod(0o755)
     code = ("import sys, time; sys.path.insert(0, 'benchmark'); import served_recipe; "
-            "s = served_recipe.MemorySampler(111); time.sleep(1.5); print(s.stop())")
-    result = run("-c", code, env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
+            "s = served_recipe.MemorySampler(111, dict(os.environ)); time.sleep(1.5); "
+            "print(s.stop())")
+    result = run("-c", "import os; " + code, env={"PATH": f"{tmp_path}:{os.environ['PATH']}"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "{'trainer': 2.0, 'reward server': 1.5}"
 

@@ -6,6 +6,7 @@ tiny model on CPU. The `python3` first on PATH is one without torch (as when the
 that is not activated): run.sh must use $PYTHON, which the tests set to this interpreter.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -136,6 +137,36 @@ def test_one_gpu_serves_the_reward_beside_the_actor(tmp_path):
     while port_open(port):
         assert time.time() < deadline, "the reward server outlived the run"
         time.sleep(0.1)
+
+
+def test_the_served_recipe_s_fault_phase_kills_the_server_and_the_run_goes_on(tmp_path,
+                                                                              tiny_model_dir):
+    """benchmark/served_recipe.py's `killed` phase against the stand-in server: killed once the
+    run's first checkpoint exists, it stops the trainer in one line with a checkpoint; the same
+    RUN_NAME again (run.sh adds --resume-from latest) ends the run on a new server."""
+    spec = importlib.util.spec_from_file_location("served_recipe",
+                                                  ROOT / "benchmark" / "served_recipe.py")
+    served_recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served_recipe)
+
+    env = {**fake_tools(tmp_path, gpus=1), "CRD_CACHE": str(tiny_model_dir.parent),
+           "OUTPUT_DIR": str(tmp_path / "runs"), "REWARD_PORT": str(free_port()),
+           "REWARD_ON_ACTOR_GPU": "1", "RUN_NAME": "killed", "TRAIN_DATA": str(DATA / "train.txt"),
+           "EVAL_DATA": str(DATA / "test.txt"), "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64",
+           "TOTAL_TRAINING_STEPS": "8", "EVAL_PROMPTS": "3"}
+    args = ["--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1", "--eval-every", "0",
+            "--save-every", "1", "--reward-retries", "1"]
+    killed = served_recipe.run_sh("killed", env, args, kill_server_at=1)
+    assert killed["exit_status"] == 1 and killed["server_killed"]["groups"], killed["stderr_tail"]
+    line = killed["stderr_tail"][-1]
+    assert line.startswith("crd.py: error: the reward failed: vLLM server http://127.0.0.1:")
+    assert "stopped after iteration" in line and "Traceback" not in killed["stderr_tail"]
+    assert killed["summary"]["completed"] is False
+    assert f"global_step_{killed['summary']['iterations']}" in killed["checkpoints"]
+    resumed = served_recipe.run_sh("resumed", env, args)
+    assert resumed["exit_status"] == 0, resumed["stderr_tail"]
+    assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 8
+    assert resumed["server_start_s"] is not None
 
 
 def test_a_cpu_host_runs_the_recipe_launcher_with_device_cpu(tmp_path, tiny_model_dir):
