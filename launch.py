@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+from functools import partial
 
 # the agent's own C++ warnings (a store socket's timeout at the exit barrier, a peer's store gone at
 # the end): off before torch loads, and back to torch's default for the ranks it starts
@@ -82,23 +83,17 @@ def exit_barrier_timeout():
 class BarrierTimeout(logging.Filter):
     """Takes torch's traceback of an exit barrier that timed out, and says it in one line."""
 
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
     def filter(self, record):
         if not record.getMessage().startswith("Error waiting on exit barrier"):
             return True
-        print(f"launch.py: another node's agent did not finish in {NodeAgent.timeout:g} s "
+        print(f"launch.py: another node's agent did not finish in {self.seconds:g} s "
               "(EXIT_BARRIER_TIMEOUT): it was killed or its ranks failed; this node's ranks ended",
               file=sys.stderr, flush=True)
         return False
-
-
-class NodeAgent(LocalElasticAgent):
-    """torchrun's agent with a shorter exit barrier: the ranks leave together (a barrier before
-    they exit), so the agents of every node reach it within seconds of each other."""
-
-    timeout = 30.0
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, exit_barrier_timeout=self.timeout, **kwargs)
 
 
 def stop_on_usr1(signum, frame):
@@ -120,9 +115,11 @@ if __name__ == "__main__":
         # 0's gloo/NCCL address before the new rank 0 writes its own (pytorch/pytorch#135712)
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     signal.signal(signal.SIGUSR1, stop_on_usr1)  # torchrun handles TERM, INT, HUP and QUIT only
-    NodeAgent.timeout = exit_barrier_timeout()
-    launcher_api.LocalElasticAgent = NodeAgent  # the class torchrun's launcher builds agents of
-    agent_api.logger.addFilter(BarrierTimeout())
+    # the ranks leave together (a barrier before they exit), so every node's agent reaches the
+    # exit barrier within seconds of the others: the class torchrun's launcher builds agents of
+    barrier_s = exit_barrier_timeout()
+    launcher_api.LocalElasticAgent = partial(LocalElasticAgent, exit_barrier_timeout=barrier_s)
+    agent_api.logger.addFilter(BarrierTimeout(barrier_s))
     try:
         main()
     except SignalException as stop:
