@@ -1,5 +1,6 @@
 """`bash run.sh crd` as a user launches it on a one-GPU machine: a real `vllm serve` reward server
-on the actor's GPU (REWARD_ON_ACTOR_GPU=1), side by side with the scorer in the trainer.
+on the actor's GPU (REWARD_ON_ACTOR_GPU=1), side by side with the scorer in the trainer, with
+vLLM-Omni rollouts (the recipe's whole stack), evaluate.py against the server, and its faults.
 
     PYTHONPATH=$VLLM_SITE python benchmark/served_recipe.py --out /tmp/served --time-budget-s 560
 
@@ -7,10 +8,17 @@ on the actor's GPU (REWARD_ON_ACTOR_GPU=1), side by side with the scorer in the 
 is rewritten after each, so a killed call keeps what finished, and a phase whose estimate no
 longer fits in --time-budget-s is skipped:
     model       a random-weight Qwen2.5-VL-3B saved as a folder (ocr_reward.save_random_qwen_vl)
+    weights     random SD3.5-M saved as a diffusers folder (vLLM-Omni loads files)
     served      bash run.sh crd with REWARD_ON_ACTOR_GPU=1: random SD3.5-M, --iterations
                 iterations, validation every 5 on --eval-prompts prompts (PP-OCR judge beside it)
     in_process  the same with the scorer in the trainer on the same GPU (NUM_GPUS_REWARD=0:
                 --reward qwen-vl)
+    omni        served, on the saved weights, with --rollout-engine vllm-omni
+    evaluate    a server started as run.sh starts it, used as one on another machine: evaluate.py
+                --reward vllm while it loads and with a model name it does not serve (each must
+                end in one line), then on the omni run's last checkpoint (else the base model);
+                run.sh with it as REWARD_URLS, the server killed once a checkpoint exists, then
+                the same RUN_NAME again on a new server
     killed      served again, its server killed once a checkpoint exists: the trainer's exit
                 status and last lines, the checkpoints; then the same RUN_NAME again (run.sh
                 continues it with --resume-from latest) on a new server
@@ -29,14 +37,21 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import ocr_reward  # noqa: E402
+from benchmark import omni_check  # noqa: E402
 
-PHASES = ("model", "served", "in_process", "killed")
-ESTIMATE_S = {"model": 60, "served": 240, "in_process": 150, "killed": 240}
+PHASES = ("model", "weights", "served", "in_process", "omni", "evaluate", "killed")
+ESTIMATE_S = {"model": 60, "weights": 60, "served": 240, "in_process": 150, "omni": 300,
+              "evaluate": 420, "killed": 240}
+# run.sh's `vllm serve` arguments besides the model, port and memory share
+SERVE_ARGS = ["--host", "127.0.0.1", "--max-model-len", "4096", "--limit-mm-per-prompt",
+              '{"image": 1}']
 WORDS = ["OPEN", "CRD", "BAKERY", "HELLO", "EXIT", "SALE", "CAFE", "HOTEL", "PARK", "STOP",
          "LIBRARY", "MUSEUM", "TAXI", "PIZZA", "BOOKS", "MARKET", "GARDEN", "STATION", "BANK",
          "ZOO"]
@@ -52,10 +67,18 @@ def prompt_files(out: Path) -> tuple[Path, Path]:
     return out / "train.txt", out / "test.txt"
 
 
+def session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone, or not a process of this machine's view
+        return None
+
+
 class MemorySampler:
     """Device memory of each process (nvidia-smi --query-compute-apps) every second: the peak of
-    the trainer (trainer_pid: run.sh execs it in its own process) and of the rest, the reward
-    server (its API server spawns an engine core whose command line does not say vllm)."""
+    the trainer (trainer_pid: run.sh execs it in its own process), of the other processes of its
+    session (the vLLM-Omni engine), and of the rest, the reward server (run.sh starts it in a
+    session of its own, as the child of the process that becomes the trainer)."""
 
     def __init__(self, trainer_pid: int, env: dict):
         self.trainer_pid, self.env, self.peaks = trainer_pid, env, {}
@@ -74,7 +97,14 @@ class MemorySampler:
                 if len(fields) != 2 or not all(field.isdigit() for field in fields):
                     continue  # "[N/A]", or no such query on this driver
                 pid, mib = fields
-                name = "trainer" if int(pid) == self.trainer_pid else "reward server"
+                if int(pid) == self.trainer_pid:
+                    name = "trainer"
+                elif int(pid) == os.getpid():
+                    name = "this script"
+                elif session(int(pid)) == session(self.trainer_pid) is not None:
+                    name = "rollout engine"
+                else:
+                    name = "reward server"
                 used[name] = used.get(name, 0.0) + float(mib) / 1024
             for name, gib in used.items():
                 self.peaks[name] = max(self.peaks.get(name, 0.0), gib)
@@ -116,7 +146,9 @@ def run_sh(name: str, env: dict, args: list[str], kill_server_at: int = 0) -> di
         while process.poll() is None and not checkpoint.exists():
             time.sleep(0.5)
         # run.sh starts the server in a session of its own: the API server and its engine core
-        port = env.get("REWARD_PORT", "8000")  # this run's server, not another on the machine
+        # this run's server, not another on the machine
+        port = (urllib.parse.urlsplit(env["REWARD_URLS"]).port if env.get("REWARD_URLS")
+                else env.get("REWARD_PORT", "8000"))
         servers = subprocess.run(["pgrep", "-f", f"vllm.* serve .*--port {port} "],
                                  capture_output=True, text=True)
         groups = set()
@@ -145,6 +177,97 @@ def run_sh(name: str, env: dict, args: list[str], kill_server_at: int = 0) -> di
     return result
 
 
+def start_server(model: str, port: int, log: Path, env: dict) -> subprocess.Popen:
+    """`vllm serve` as run.sh starts it with REWARD_ON_ACTOR_GPU=1, in a session of its own."""
+    with log.open("w") as out:
+        return subprocess.Popen(["vllm", "serve", model, "--port", str(port), *SERVE_ARGS,
+                                 "--gpu-memory-utilization", "0.3"], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:  # killed already
+        pass
+    server.wait()
+
+
+def wait_for_health(url: str, server: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether url/health answers before the server exits or timeout_s passes."""
+    deadline = time.perf_counter() + timeout_s
+    while server.poll() is None and time.perf_counter() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5):
+                return True
+        except OSError:  # not listening yet, or no answer yet
+            time.sleep(1)
+    return False
+
+
+def start_evaluate(args: list[str], env: dict) -> tuple[subprocess.Popen, float]:
+    process = subprocess.Popen([sys.executable, "evaluate.py", *args], cwd=ROOT, env=env,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return process, time.perf_counter()
+
+
+def finish_evaluate(started: tuple[subprocess.Popen, float], output_dir: Path) -> dict:
+    """evaluate.py's exit status, time and last lines, and its results.json without the prompts."""
+    process, start = started
+    stdout, stderr = process.communicate()
+    result = {"exit_status": process.returncode, "wall_s": round(time.perf_counter() - start, 1),
+              "stdout_tail": stdout.splitlines()[-3:], "stderr_tail": stderr.splitlines()[-3:]}
+    for path in output_dir.glob("*/results.json"):
+        summary = json.loads(path.read_text())
+        result["results"] = {key: value for key, value in summary.items() if key != "prompts"}
+    return result
+
+
+def urls_phase(out: Path, model: str, env: dict, what: list[str], port: int,
+               run_env: dict | None = None, run_args: list[str] = ()) -> dict:
+    """A server started as run.sh starts it, used as a server on another machine is:
+    evaluate.py --reward vllm while it loads, with a model name it does not serve, then scoring
+    `what` (evaluate.py's arguments for what is scored); with run_env, run.sh given it as
+    REWARD_URLS, the server killed once global_step_2 exists, then run.sh again (it continues
+    with --resume-from latest) on a new server."""
+    url = f"http://127.0.0.1:{port}"
+    scoring = ["--reward", "vllm", "--reward-urls", url, *what]
+    log = out / "reward_server.log"
+    server = start_server(model, port, log, env)
+    result = {"command": scoring, "server_start_s": []}
+    try:
+        server_started = time.perf_counter()
+        loading = start_evaluate([*scoring, "--reward-model", model,
+                                  "--output-dir", str(out / "loading")], env)
+        result["while_loading"] = finish_evaluate(loading, out / "loading")
+        result["server_loading"] = server.poll() is None and not wait_for_health(url, server, 0)
+        if not wait_for_health(url, server, 600):
+            result["server_exit_status"] = server.poll()
+            return result
+        result["server_start_s"].append(round(time.perf_counter() - server_started, 1))
+        wrong = start_evaluate([*scoring, "--reward-model", "Qwen/no-such-model",
+                                "--output-dir", str(out / "wrong_name")], env)
+        scored = start_evaluate([*scoring, "--reward-model", model,
+                                 "--output-dir", str(out / "scored")], env)
+        result["wrong_model_name"] = finish_evaluate(wrong, out / "wrong_name")
+        result["scored"] = finish_evaluate(scored, out / "scored")
+        result["server"] = server_requests(log)
+        if run_env is None:
+            return result
+        run_env = {**run_env, "REWARD_URLS": url, "OUTPUT_DIR": str(out)}
+        result["killed"] = run_sh("killed", run_env, run_args, kill_server_at=2)
+        stop_server(server)  # killed by run_sh, unless the run ended before its checkpoint
+        log = out / "reward_server_2.log"
+        server = start_server(model, port, log, env)
+        server_started = time.perf_counter()
+        if wait_for_health(url, server, 600):
+            result["server_start_s"].append(round(time.perf_counter() - server_started, 1))
+            result["resumed"] = run_sh("resumed", run_env, run_args)
+    finally:
+        stop_server(server)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder for the model, runs and results")
@@ -168,7 +291,10 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     train, test = prompt_files(out)
     model = out / "qwen2.5-vl-3b-random"
-    results = {"phases": {}, "skipped": []}
+    weights = out / "sd3.5-medium-random"
+    saved = out / "served_recipe.json"  # a later call adds its phases to an earlier call's
+    results = json.loads(saved.read_text()) if saved.exists() else {"phases": {}}
+    results["skipped"] = []
     env = {**os.environ, "PYTHON": sys.executable, "MODEL": "random-sd3.5-medium",
            "REWARD_MODEL": str(model), "TRAIN_DATA": str(train), "EVAL_DATA": str(test),
            "TOTAL_TRAINING_STEPS": str(options.iterations),
@@ -176,12 +302,13 @@ def main():
     common = ["--eval-every", "5", *options.trainer_args.split()]
 
     def save():
-        path = out / "served_recipe.json"
-        path.write_text(json.dumps(results, indent=1))
+        saved.write_text(json.dumps(results, indent=1))
 
     for phase in options.phases:
         left = options.time_budget_s - (time.perf_counter() - started)
-        if left < ESTIMATE_S[phase] or (phase != "model" and not (model / "config.json").exists()):
+        missing = (phase not in ("model", "weights") and not (model / "config.json").exists()
+                   or phase == "omni" and not (weights / "model_index.json").exists())
+        if left < ESTIMATE_S[phase] or missing:
             results["skipped"].append(phase)
             print(f"{phase}: skipped ({left:.0f} s left)", flush=True)
             continue
@@ -190,18 +317,36 @@ def main():
             ocr_reward.save_random_qwen_vl(str(model), device="cuda")
             size = sum(f.stat().st_size for f in model.iterdir())
             result = {"folder_gib": round(size / 2**30, 2)}
+        elif phase == "weights":
+            result = omni_check.build_weights(argparse.Namespace(model_dir=weights),
+                                              torch.device("cuda"))
         elif phase == "served":
             result = run_sh("served", {**env, "REWARD_ON_ACTOR_GPU": "1", "RUN_NAME": "served",
                                        "OUTPUT_DIR": str(out / "served")}, common)
         elif phase == "in_process":
             result = run_sh("in_process", {**env, "NUM_GPUS_REWARD": "0", "RUN_NAME": "in_process",
                                            "OUTPUT_DIR": str(out / "in_process")}, common)
-        else:
+        elif phase == "omni":
+            result = run_sh("omni", {**env, "REWARD_ON_ACTOR_GPU": "1", "RUN_NAME": "omni",
+                                     "OUTPUT_DIR": str(out / "omni"), "MODEL": str(weights)},
+                            [*common, "--rollout-engine", "vllm-omni"])
+        elif phase == "evaluate":
+            trained = sorted((out / "omni" / "omni").glob("global_step_*"),
+                             key=lambda path: int(path.name.rpartition("_")[2]))
+            what = ["--checkpoint", str(trained[-1])] if trained else ["--model", env["MODEL"]]
+            what += ["--eval-data", str(test), "--num-prompts", str(options.eval_prompts)]
+            (out / "evaluate").mkdir(exist_ok=True)
+            fault = {**env, "RUN_NAME": "killed", "TOTAL_TRAINING_STEPS": "4", "EVAL_PROMPTS": "8"}
+            result = urls_phase(out / "evaluate", str(model), env, what, 8000, fault,
+                                [*common, "--save-every", "2"])
+        else:  # fewer validation prompts: the phase is about the fault, not the scores
             fault = {**env, "REWARD_ON_ACTOR_GPU": "1", "RUN_NAME": "killed",
-                     "OUTPUT_DIR": str(out / "killed"), "TOTAL_TRAINING_STEPS": "6"}
+                     "OUTPUT_DIR": str(out / "killed"), "TOTAL_TRAINING_STEPS": "6",
+                     "EVAL_PROMPTS": "8"}
             args = [*common, "--save-every", "2"]
             result = {"killed": run_sh("killed", fault, args, kill_server_at=2),
                       "resumed": run_sh("resumed", fault, args)}
+        torch.cuda.empty_cache()  # what the model phases built: the runs need the memory
         result["phase_s"] = round(time.perf_counter() - phase_started, 1)
         results["phases"][phase] = result
         save()

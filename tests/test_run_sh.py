@@ -24,13 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
 
 FAKE_VLLM = """#!PYTHON
-import json, sys
+import json, os, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 mode = open(sys.argv[0] + ".mode").read()
 if "--fail" in mode:
     print("RuntimeError: CUDA error: no kernel image is available (stand-in failure)", flush=True)
     sys.exit(1)
 port = int(sys.argv[sys.argv.index("--port") + 1])
+if "--slow" in mode and not os.path.exists(sys.argv[0] + ".loaded"):  # loading, not listening
+    time.sleep(float(mode.split("--slow")[1].split()[0]))
+    open(sys.argv[0] + ".loaded", "w").close()  # a second start is a quick one
 print(f"serving {sys.argv[2]} on 127.0.0.1:{port}", flush=True)
 
 class Handler(BaseHTTPRequestHandler):
@@ -167,6 +170,53 @@ def test_the_served_recipe_s_fault_phase_kills_the_server_and_the_run_goes_on(tm
     assert resumed["exit_status"] == 0, resumed["stderr_tail"]
     assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 8
     assert resumed["server_start_s"] is not None
+
+
+def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resume(
+        tmp_path, tiny_model_dir):
+    """benchmark/served_recipe.py's `evaluate` phase against the stand-in server, started as run.sh
+    starts it: evaluate.py while it loads and with a model name it does not serve each end in
+    one line naming what to do, then scores every prompt through it; run.sh given it as
+    REWARD_URLS stops in one line with a checkpoint when it is killed, and goes on to the end
+    on a new server."""
+    spec = importlib.util.spec_from_file_location("served_recipe",
+                                                  ROOT / "benchmark" / "served_recipe.py")
+    served_recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(served_recipe)
+    env = {**fake_tools(tmp_path, gpus=1, vllm_mode="serve --slow 20"),
+           "CRD_CACHE": str(tiny_model_dir.parent)}
+    what = ["--model", "tiny", "--device", "cpu", "--eval-data", str(DATA / "test.txt"),
+            "--num-prompts", "3", "--resolution", "64", "--judge", "none"]
+    run_env = {**env, "RUN_NAME": "killed", "REWARD_MODEL": "org/reward-model", "TRAIN_DATA": str(DATA / "train.txt"),
+               "EVAL_DATA": str(DATA / "test.txt"), "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64",
+               "TOTAL_TRAINING_STEPS": "8", "EVAL_PROMPTS": "3"}
+    run_args = ["--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1", "--eval-every",
+                "0", "--save-every", "2", "--reward-retries", "1"]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    result = served_recipe.urls_phase(tmp_path, "org/reward-model", env, what, port, run_env,
+                                      run_args)
+    loading = result["while_loading"]
+    assert loading["exit_status"] == 1 and result["server_loading"], loading
+    line = loading["stderr_tail"][-1]
+    assert line.startswith(f"evaluate.py: error: no vLLM server at {url}"), loading
+    assert "still loading" in line and f"{url}/health" in line
+    wrong = result["wrong_model_name"]
+    assert wrong["exit_status"] == 1, wrong
+    line = wrong["stderr_tail"][-1]
+    assert line.startswith(f"evaluate.py: error: vLLM server {url} serves 'org/reward-model'")
+    assert "Qwen/no-such-model" in line
+    scored = result["scored"]
+    assert scored["exit_status"] == 0, scored["stderr_tail"]
+    assert scored["results"]["num_prompts"] == 3 and scored["results"]["reward"] == "vllm"
+    assert result["server"]["chat_completions"] == 3 and result["server"]["failed"] == 0
+    killed, resumed = result["killed"], result["resumed"]
+    assert killed["exit_status"] == 1 and killed["server_killed"]["groups"], killed["stderr_tail"]
+    assert killed["stderr_tail"][-1].startswith(f"crd.py: error: the reward failed: vLLM server {url}")
+    assert "global_step_2" in killed["checkpoints"] and not killed["summary"]["completed"]
+    assert resumed["exit_status"] == 0, resumed["stderr_tail"]
+    assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 8
+    assert len(result["server_start_s"]) == 2 and not port_open(port)  # taken down at the end
 
 
 def test_a_cpu_host_runs_the_recipe_launcher_with_device_cpu(tmp_path, tiny_model_dir):
