@@ -263,6 +263,7 @@ def urls_phase(out: Path, model: str, env: dict, what: list[str], port: int,
         if wait_for_health(url, server, 600):
             result["server_start_s"].append(round(time.perf_counter() - server_started, 1))
             result["resumed"] = run_sh("resumed", run_env, run_args)
+            result["resumed"]["server"] = server_requests(log)  # run_sh read the first's
     finally:
         stop_server(server)
     return result

@@ -216,6 +216,8 @@ def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resu
     assert "global_step_2" in killed["checkpoints"] and not killed["summary"]["completed"]
     assert resumed["exit_status"] == 0, resumed["stderr_tail"]
     assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 8
+    left = 8 - killed["summary"]["iterations"]  # each iteration scores its 2 images on the new server
+    assert resumed["server"]["chat_completions"] == 2 * left and resumed["server"]["failed"] == 0
     assert len(result["server_start_s"]) == 2 and not port_open(port)  # taken down at the end
 
 
