@@ -4,6 +4,7 @@ progress lines from those that run for minutes there."""
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,48 @@ def test_results_md_shows_the_served_recipe_s_figures_from_its_file():
     assert f"the reward server answered after {served['server_start_s']} s" in section
     assert f"the server answered {served['chat_completions']} chat" in section
     assert served["failed_requests"] == 0 and served["exit_status"] == in_process["exit_status"] == 0
+
+
+def test_results_md_shows_the_whole_stack_s_figures_from_its_file():
+    """The whole-stack section's table and lines are the result file's figures, and the file's
+    summary is its raw runs' (mean, median, counts)."""
+    stored = json.loads((ROOT / "benchmark" / "results" / "seed_stack_h200.json").read_text())
+    stack, diffusers, runs = stored["seed_stack"], stored["beside_it"], stored["runs"]
+    scalars = runs["omni"]["scalars"]
+    rollout = statistics.median(value for _, value in scalars["perf/rollout_s"][1:])
+    assert round(rollout, 2) == stack["rollout_s_median"]
+    assert round(runs["omni"]["summary"]["mean_iteration_s"], 2) == stack["mean_iteration_s"]
+    assert runs["omni"]["server"]["chat_completions"] == stack["chat_completions"] == 10 * 24 + 3 * 16
+    shown = (ROOT / "benchmark" / "RESULTS.md").read_text()
+    section = shown.split("## The whole stack: vLLM-Omni rollouts beside a served reward")[1]
+    section = section.split("\n## ")[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip(" |").split(" | ")[1:]
+            for line in section.splitlines() if line.startswith("| ")}
+    assert rows["steady iteration (eager) / training images a second"] == [
+        f"{run['mean_iteration_s']:.2f} s / {run['train_images_per_s']:.3f}"
+        for run in (stack, diffusers)]
+    assert rows["rollout, median"] == [f"{run['rollout_s_median']:.2f} s"
+                                       for run in (stack, diffusers)]
+    assert rows["the server answered after"] == [f"{run['server_start_s']} s"
+                                                 for run in (stack, diffusers)]
+    memory = stack["device_memory_gib_nvidia_smi"]
+    assert rows["device memory (nvidia-smi peak)"][0] == (
+        f"trainer {memory['trainer']:.1f} GiB, server {memory['reward server']:.1f} GiB, "
+        f"rollout engine {memory['rollout engine']:.1f} GiB")
+    flat = re.sub(r"\s+", " ", section)  # the text, its line breaks aside
+    assert f"{stack['chat_completions']} chat completions" in flat
+    assert f"{sum(memory.values()):.1f} GiB of the 139 GiB" in flat
+    gap = stack["mean_iteration_s"] - diffusers["mean_iteration_s"]
+    assert f"the {gap:.2f} s between their" in flat
+    evaluate, faults = stored["evaluate"], stored["server_killed"]
+    assert evaluate["while_loading"]["exit_status"] == evaluate["wrong_model_name"]["exit_status"] == 1
+    assert evaluate["while_loading"]["server_still_loading"]
+    assert evaluate["scored"]["exit_status"] == 0 and evaluate["server_requests"]["failed"] == 0
+    assert evaluate["wrong_model_name"]["last_line"] in flat
+    assert f"answered after {evaluate['server_start_s']} s" in flat
+    killed, resumed = faults["killed"], faults["resumed"]
+    assert killed["exit_status"] == 1 and not killed["completed"] and resumed["exit_status"] == 0
+    assert f"killed {killed['server_killed_after_s']} s into the run" in flat
+    assert killed["last_line"].split(" (the latest")[0] in flat
+    assert resumed["completed"] and resumed["iterations"] == 4
+    assert resumed["checkpoints"] == ["global_step_2", "global_step_4"]
