@@ -8,7 +8,8 @@ This is torch.distributed.run itself (torchrun), with two of its exceptions turn
   ended by it, where torchrun raises SignalException and exits 1 with a traceback;
 - a rank that failed (it printed its own error): exit with its exit code, where torchrun prints a ~40-line
   ChildFailedError report; a rank that stopped because a rank here or on another node got SIGTERM or SIGINT (exit
-  143 or 130) is said to have stopped, not failed.
+  143 or 130) is said to have stopped, not failed, and is not restarted under --max-restarts (a restart would wait
+  the join timeout for the node that was stopped).
 A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line before it starts, not its traceback;
 so is a rendezvous that not every node joined in time (its join_timeout, at the start or at a restart), and a node
 that found no rendezvous store to join (its host not started, or another address).
@@ -96,6 +97,19 @@ class BarrierTimeout(logging.Filter):
         return False
 
 
+class StopsAreNotRestarted(LocalElasticAgent):
+    """torchrun's agent, except that ranks that ended in the stop they all agreed on (a signal to a
+    rank, here or on another node) are not restarted: the run was asked to stop, and a restart
+    would wait its join timeout for the node that was stopped."""
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and all(failure.exitcode in AGREED_STOPS
+                                      for failure in result.failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+
 def stop_on_usr1(signum, frame):
     """SIGUSR1: torchrun's way of stopping on SIGTERM (it forwards SIGTERM to the ranks)."""
     stop_on_usr1.received = True
@@ -118,7 +132,7 @@ if __name__ == "__main__":
     # the ranks leave together (a barrier before they exit), so every node's agent reaches the
     # exit barrier within seconds of the others: the class torchrun's launcher builds agents of
     barrier_s = exit_barrier_timeout()
-    launcher_api.LocalElasticAgent = partial(LocalElasticAgent, exit_barrier_timeout=barrier_s)
+    launcher_api.LocalElasticAgent = partial(StopsAreNotRestarted, exit_barrier_timeout=barrier_s)
     agent_api.logger.addFilter(BarrierTimeout(barrier_s))
     try:
         main()
