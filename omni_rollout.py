@@ -237,7 +237,12 @@ class OmniRollout:
         latents = rollout.initial_latents([0], shape, "cpu", torch.float32)
         probe = partial(self.request, pipe.scheduler, embeds, pooled, [0], latents, PROBE_STEPS,
                         1.0, PROBE_SIZE, PROBE_SIZE, 1)
-        base = self._generate(*probe())
+        try:
+            base = self._generate(*probe())  # the engine's first generation: a kernel it lacks
+        except (torch.OutOfMemoryError, MemoryError):  # the trainer's line for a failed allocation
+            raise
+        except Exception as error:  # (vLLM's FA2, where vLLM-Omni's attention calls it) fails here
+            raise RuntimeError(start_error(error)) from None
         lora = self._adapter_request(transformer, name, state)
         try:
             with_lora = self._generate(*probe(lora_request=lora))

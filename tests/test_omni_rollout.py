@@ -624,6 +624,8 @@ def test_an_engine_that_does_not_start_is_one_line_with_the_attention_hint(
         stand_in, on_cpu, lora_pipe, tiny_model_dir, monkeypatch):
     import vllm_omni
 
+    start, start_generate = vllm_omni.Omni.__init__, vllm_omni.Omni.generate
+
     def fail(self, *args, **kwargs):  # vLLM-Omni 0.26's start on a vLLM without its FA2 kernel
         raise RuntimeError("Orchestrator initialization failed: Dummy run failed:\n"
                            "'_OpNamespace' '_vllm_fa2_C' object has no attribute 'varlen_fwd'")
@@ -636,9 +638,19 @@ def test_an_engine_that_does_not_start_is_one_line_with_the_attention_hint(
     assert message.endswith("DIFFUSION_ATTENTION_BACKEND=TORCH_SDPA runs the engine with "
                             "PyTorch's attention, as diffusers does")
 
+    # the engine starts, and its first generation (the adapter check) fails: as on an H200
+    monkeypatch.setattr(vllm_omni.Omni, "__init__", start)
+    monkeypatch.setattr(vllm_omni.Omni, "generate", fail)
+    with pytest.raises(RuntimeError) as error:
+        omni_rollout.OmniRollout(lora_pipe, str(tiny_model_dir), "cpu", dtype=torch.float32)
+    assert one_line(error).startswith("--rollout-engine vllm-omni: the engine did not start ("
+                                      "Orchestrator initialization failed")
+    assert one_line(error).endswith("as diffusers does")
+
     def other(self, *args, **kwargs):
         raise ValueError("the diffusion stage's worker exited")
 
+    monkeypatch.setattr(vllm_omni.Omni, "generate", start_generate)
     monkeypatch.setattr(vllm_omni.Omni, "__init__", other)
     with pytest.raises(RuntimeError) as error:
         omni_rollout.OmniRollout(lora_pipe, str(tiny_model_dir), "cpu", dtype=torch.float32)
