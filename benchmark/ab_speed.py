@@ -51,7 +51,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmark.events import scalars  # noqa: E402
+
 
 RECIPE = {"--model": "random-sd3.5-medium", "--reward": "qwen-vl", "--reward-model": "random-qwen2.5-vl-3b",
           "--train-data": "tests/data/ocr/train.txt", "--eval-data": "tests/data/ocr/train.txt",
@@ -151,8 +153,7 @@ def run(name, root, args, env, patch, workdir, log, deadline):
     if trainer.returncode and not stopped:
         result["log_tail"] = "\n".join(lines[-40:])
     if (out_dir / name).is_dir():
-        events = EventAccumulator(str(out_dir / name), size_guidance={"scalars": 0}).Reload()
-        result["scalars"] = {tag: {s.step: s.value for s in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+        result["scalars"] = scalars(out_dir / name)
     if (out_dir / name / "summary.json").is_file():
         result["trainer_summary"] = json.loads((out_dir / name / "summary.json").read_text())
     return result

@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import omni_rollout  # noqa: E402
+from benchmark.events import scalars  # noqa: E402
 import rollout  # noqa: E402
 
 PHASES = ("smoke", "weights", "zero", "lora", "speed", "train")
@@ -322,8 +323,6 @@ def speed(engines, repeats):
 
 def train_runs(args, check):
     """--train-iterations of crd.py with each engine, in subprocesses, on the saved weights."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     results = {}
     for engine in ("diffusers", "vllm-omni"):
         out = args.out / "train"
@@ -343,11 +342,11 @@ def train_runs(args, check):
             except subprocess.TimeoutExpired:
                 code = "timeout"
         run = {"exit": code, "seconds": round(time.perf_counter() - start, 1), "log": str(log)}
-        try:
-            events = EventAccumulator(str(out / engine), size_guidance={"scalars": 0}).Reload()
-            for tag in ("perf/rollout_s", "perf/iteration_s", "train/reward_mean"):
-                run[tag] = [round(s.value, 5) for s in events.Scalars(tag)]
-        except (KeyError, OSError):  # no events: the log says why
+        logged = scalars(out / engine)
+        tags = ("perf/rollout_s", "perf/iteration_s", "train/reward_mean")
+        if all(tag in logged for tag in tags):
+            run |= {tag: [round(value, 5) for value in logged[tag].values()] for tag in tags}
+        else:  # no events: the log says why
             run["tail"] = log.read_text()[-1500:]
         results[engine] = run
         print(f"   {engine}: {json.dumps(run)}", flush=True)

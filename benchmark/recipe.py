@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402
 from ocr_reward import RANDOM_QWEN  # noqa: E402
+from benchmark.events import scalars  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
 
 PROMPTS = ROOT / "tests" / "data" / "ocr" / "train.txt"
@@ -77,9 +77,7 @@ def run_variant(variant, name, iterations, workdir, log_dir, actor_gpus=1, rewar
                 os.killpg(trainer.pid, signal.SIGKILL)
     if returncode:
         return {"error": (log_dir / f"{name}.log").read_text()[-3000:]}
-    events = EventAccumulator(str(workdir / name), size_guidance={"scalars": 0})
-    events.Reload()
-    perf = {tag: {s.step: s.value for s in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    perf = scalars(workdir / name)
     timed_steps = range(2, iterations + 1)  # iteration 1 is the warm-up
     mean = lambda tag: sum(perf[tag][s] for s in timed_steps) / len(timed_steps)
     summary = json.loads((workdir / name / "summary.json").read_text())

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import ocr_reward  # noqa: E402
 from benchmark import omni_check  # noqa: E402
+from benchmark.events import scalars  # noqa: E402
 
 PHASES = ("model", "weights", "served", "in_process", "omni", "evaluate", "killed")
 ESTIMATE_S = {"model": 60, "weights": 60, "served": 240, "in_process": 150, "omni": 300,
@@ -115,14 +116,11 @@ class MemorySampler:
         return {name: round(gib, 2) for name, gib in self.peaks.items()}
 
 
-def scalars(run_dir: Path) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    tags = [tag for tag in events.Tags()["scalars"]
-            if tag.startswith(("perf/", "eval/", "train/reward"))]
-    return {tag: [(e.step, round(e.value, 4)) for e in events.Scalars(tag)] for tag in tags}
+def reported_scalars(run_dir: Path) -> dict:
+    """{tag: [(step, value)]} of the run's timings, validation and training reward."""
+    return {tag: [(step, round(value, 4)) for step, value in logged.items()]
+            for tag, logged in scalars(run_dir).items()
+            if tag.startswith(("perf/", "eval/", "train/reward"))}
 
 
 def server_requests(log: Path) -> dict:
@@ -172,7 +170,7 @@ def run_sh(name: str, env: dict, args: list[str], kill_server_at: int = 0) -> di
     summary = run_dir / "summary.json"
     result["summary"] = json.loads(summary.read_text()) if summary.exists() else None
     result["checkpoints"] = sorted(p.name for p in run_dir.glob("global_step_*"))
-    result["scalars"] = scalars(run_dir) if run_dir.exists() else {}
+    result["scalars"] = reported_scalars(run_dir)
     result["server"] = server_requests(Path(env["OUTPUT_DIR"]) / "reward_server.log")
     return result
 

@@ -100,13 +100,12 @@ def run_start(variant, start, caches, workdir, log_dir, iterations, time_limit_s
     if report.is_file():
         result.update(json.loads(report.read_text()))
     if (workdir / name).is_dir():
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from benchmark.events import scalar_events
 
-        events = EventAccumulator(str(workdir / name), size_guidance={"scalars": 0}).Reload()
-        tags = [t for t in ("perf/eval_s", "perf/rollout_s", "perf/train_s", "perf/iteration_s")
-                if t in events.Tags()["scalars"]]
-        perf = {tag: {s.step: round(s.value, 2) for s in events.Scalars(tag)} for tag in tags}
-        done = {tag: {s.step: round(s.wall_time - launched, 1) for s in events.Scalars(tag)} for tag in tags}
+        logged = scalar_events(workdir / name)
+        tags = [t for t in ("perf/eval_s", "perf/rollout_s", "perf/train_s", "perf/iteration_s") if t in logged]
+        perf = {tag: {s.step: round(s.value, 2) for s in logged[tag]} for tag in tags}
+        done = {tag: {s.step: round(s.wall_time - launched, 1) for s in logged[tag]} for tag in tags}
         result["perf"] = perf
         result["first_validation_done_s"] = done.get("perf/eval_s", {}).get(0)
         result["first_iteration_done_s"] = done.get("perf/iteration_s", {}).get(1)

@@ -137,3 +137,22 @@ def test_results_md_shows_the_whole_stack_s_figures_from_its_file():
     assert killed["last_line"].split(" (the latest")[0] in flat
     assert resumed["completed"] and resumed["iterations"] == 4
     assert resumed["checkpoints"] == ["global_step_2", "global_step_4"]
+
+
+def test_the_benchmarks_read_back_what_a_summary_writer_logged(tmp_path):
+    """benchmark/events.py on a real TensorBoard events file: every tag's steps and values, the
+    wall times beside them, and nothing (not an error) for a run that wrote no events."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    sys.path.insert(0, str(ROOT))
+    from benchmark.events import scalar_events, scalars
+
+    writer = SummaryWriter(tmp_path / "run")
+    for step, value in ((1, 0.5), (2, 0.25)):
+        writer.add_scalar("perf/iteration_s", value, step)
+    writer.add_scalar("train/reward_mean", 0.75, 2)
+    writer.close()
+    assert scalars(tmp_path / "run") == {"perf/iteration_s": {1: 0.5, 2: 0.25},
+                                         "train/reward_mean": {2: 0.75}}
+    assert all(event.wall_time > 0 for event in scalar_events(tmp_path / "run")["perf/iteration_s"])
+    assert scalars(tmp_path / "never-started") == {} == scalar_events(tmp_path / "never-started")

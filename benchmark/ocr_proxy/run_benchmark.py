@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
 import rollout  # noqa: E402
+from benchmark.events import scalars as logged_scalars  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve  # noqa: E402
@@ -376,10 +377,8 @@ def per_prompt_scores(run_dir: Path) -> dict[str, list[float]]:
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    if not run_dir.is_dir():  # the trainer stopped before it wrote anything
-        return []
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
-    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+    """[(step, value)] of one tag ([] when the trainer stopped before it wrote anything)."""
+    return list(logged_scalars(run_dir).get(tag, {}).items())
 
 
 def save_grids(run_dir: Path, out: Path, name: str) -> list[str]:
