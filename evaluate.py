@@ -492,6 +492,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, stop)
     if todo:
         try:
+            if "vllm" in weights:  # its servers answer and serve the model before SD3.5 loads
+                make_judge("vllm", model_path=args.reward_model, urls=args.reward_urls)
             pipe = load_pipeline(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                  text_encoder_device=args.text_encoder_device or None)
             if error := resolution_error(pipe, args.resolution):

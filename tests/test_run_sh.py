@@ -142,6 +142,7 @@ def test_one_gpu_serves_the_reward_beside_the_actor(tmp_path):
         time.sleep(0.1)
 
 
+@pytest.mark.long
 def test_the_served_recipe_s_fault_phase_kills_the_server_and_the_run_goes_on(tmp_path,
                                                                               tiny_model_dir):
     """benchmark/served_recipe.py's `killed` phase against the stand-in server: killed once the
@@ -172,6 +173,7 @@ def test_the_served_recipe_s_fault_phase_kills_the_server_and_the_run_goes_on(tm
     assert resumed["server_start_s"] is not None
 
 
+@pytest.mark.long
 def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resume(
         tmp_path, tiny_model_dir):
     """benchmark/served_recipe.py's `evaluate` phase against the stand-in server, started as run.sh
@@ -183,7 +185,7 @@ def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resu
                                                   ROOT / "benchmark" / "served_recipe.py")
     served_recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(served_recipe)
-    env = {**fake_tools(tmp_path, gpus=1, vllm_mode="serve --slow 20"),
+    env = {**fake_tools(tmp_path, gpus=1, vllm_mode="serve --slow 12"),
            "CRD_CACHE": str(tiny_model_dir.parent)}
     what = ["--model", "tiny", "--device", "cpu", "--eval-data", str(DATA / "test.txt"),
             "--num-prompts", "3", "--resolution", "64", "--judge", "none"]
@@ -201,6 +203,7 @@ def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resu
     line = loading["stderr_tail"][-1]
     assert line.startswith(f"evaluate.py: error: no vLLM server at {url}"), loading
     assert "still loading" in line and f"{url}/health" in line
+    assert not any("Loading pipeline" in line for line in loading["stderr_tail"])  # checked first
     wrong = result["wrong_model_name"]
     assert wrong["exit_status"] == 1, wrong
     line = wrong["stderr_tail"][-1]
