@@ -103,7 +103,8 @@ def test_results_md_shows_the_whole_stack_s_figures_from_its_file():
     rollout = statistics.median(value for _, value in scalars["perf/rollout_s"][1:])
     assert round(rollout, 2) == stack["rollout_s_median"]
     assert round(runs["omni"]["summary"]["mean_iteration_s"], 2) == stack["mean_iteration_s"]
-    assert runs["omni"]["server"]["chat_completions"] == stack["chat_completions"] == 10 * 24 + 3 * 16
+    requests = runs["omni"]["server"]["chat_completions"]
+    assert requests == stack["chat_completions"] == 10 * 24 + 3 * 16
     shown = (ROOT / "benchmark" / "RESULTS.md").read_text()
     section = shown.split("## The whole stack: vLLM-Omni rollouts beside a served reward")[1]
     section = section.split("\n## ")[0]
@@ -126,7 +127,8 @@ def test_results_md_shows_the_whole_stack_s_figures_from_its_file():
     gap = stack["mean_iteration_s"] - diffusers["mean_iteration_s"]
     assert f"the {gap:.2f} s between their" in flat
     evaluate, faults = stored["evaluate"], stored["server_killed"]
-    assert evaluate["while_loading"]["exit_status"] == evaluate["wrong_model_name"]["exit_status"] == 1
+    assert evaluate["while_loading"]["exit_status"] == 1
+    assert evaluate["wrong_model_name"]["exit_status"] == 1
     assert evaluate["while_loading"]["server_still_loading"]
     assert evaluate["scored"]["exit_status"] == 0 and evaluate["server_requests"]["failed"] == 0
     assert evaluate["wrong_model_name"]["last_line"] in flat

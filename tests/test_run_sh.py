@@ -189,7 +189,8 @@ def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resu
            "CRD_CACHE": str(tiny_model_dir.parent)}
     what = ["--model", "tiny", "--device", "cpu", "--eval-data", str(DATA / "test.txt"),
             "--num-prompts", "3", "--resolution", "64", "--judge", "none"]
-    run_env = {**env, "RUN_NAME": "killed", "REWARD_MODEL": "org/reward-model", "TRAIN_DATA": str(DATA / "train.txt"),
+    run_env = {**env, "RUN_NAME": "killed", "REWARD_MODEL": "org/reward-model",
+               "TRAIN_DATA": str(DATA / "train.txt"),
                "EVAL_DATA": str(DATA / "test.txt"), "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64",
                "TOTAL_TRAINING_STEPS": "8", "EVAL_PROMPTS": "3"}
     run_args = ["--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1", "--eval-every",
@@ -215,11 +216,12 @@ def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resu
     assert result["server"]["chat_completions"] == 3 and result["server"]["failed"] == 0
     killed, resumed = result["killed"], result["resumed"]
     assert killed["exit_status"] == 1 and killed["server_killed"]["groups"], killed["stderr_tail"]
-    assert killed["stderr_tail"][-1].startswith(f"crd.py: error: the reward failed: vLLM server {url}")
+    stopped = killed["stderr_tail"][-1]
+    assert stopped.startswith(f"crd.py: error: the reward failed: vLLM server {url}")
     assert "global_step_2" in killed["checkpoints"] and not killed["summary"]["completed"]
     assert resumed["exit_status"] == 0, resumed["stderr_tail"]
     assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 8
-    left = 8 - killed["summary"]["iterations"]  # each iteration scores its 2 images on the new server
+    left = 8 - killed["summary"]["iterations"]  # each scores its 2 images on the new server
     assert resumed["server"]["chat_completions"] == 2 * left and resumed["server"]["failed"] == 0
     assert len(result["server_start_s"]) == 2 and not port_open(port)  # taken down at the end
 
