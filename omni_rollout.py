@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -110,14 +111,10 @@ class OmniRollout:
         weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
         self.adapter_ids = itertools.count(1)  # vLLM's LoRA ids start at 1; one more per rollout
         self.last_adapter: tuple[str, int] | None = None  # (name, id) last sent
-        try:
+        with start_errors_as_one_line():
             self.omni = Omni(model=path, dtype=str(dtype).removeprefix("torch."),
                              custom_pipeline_args={"pipeline_class": PIPELINE_CLASS},
                              **engine_kwargs)
-        except (torch.OutOfMemoryError, MemoryError):  # the trainer's line for a failed allocation
-            raise
-        except Exception as error:  # one line, not the engine's traceback
-            raise RuntimeError(start_error(error)) from None
         self.check_adapter(pipe)
 
     # ---- the trainer's side -------------------------------------------------------------------
@@ -237,12 +234,8 @@ class OmniRollout:
         latents = rollout.initial_latents([0], shape, "cpu", torch.float32)
         probe = partial(self.request, pipe.scheduler, embeds, pooled, [0], latents, PROBE_STEPS,
                         1.0, PROBE_SIZE, PROBE_SIZE, 1)
-        try:
-            base = self._generate(*probe())  # the engine's first generation: a kernel it lacks
-        except (torch.OutOfMemoryError, MemoryError):  # the trainer's line for a failed allocation
-            raise
-        except Exception as error:  # (vLLM's FA2, where vLLM-Omni's attention calls it) fails here
-            raise RuntimeError(start_error(error)) from None
+        with start_errors_as_one_line():  # the first generation: a missing kernel fails here
+            base = self._generate(*probe())
         lora = self._adapter_request(transformer, name, state)
         try:
             with_lora = self._generate(*probe(lora_request=lora))
@@ -260,6 +253,18 @@ class OmniRollout:
         if close is not None:
             close()
         shutil.rmtree(self.adapter_dir, ignore_errors=True)
+
+
+@contextmanager
+def start_errors_as_one_line():
+    """An engine that fails to start, or to run its first generation, is start_error's line, not
+    the engine's traceback; an out-of-memory error stays the trainer's (it names the flags)."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as error:
+        raise RuntimeError(start_error(error)) from None
 
 
 def start_error(error: Exception) -> str:
