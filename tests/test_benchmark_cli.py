@@ -133,6 +133,8 @@ def test_results_md_shows_the_whole_stack_s_figures_from_its_file():
     assert evaluate["scored"]["exit_status"] == 0 and evaluate["server_requests"]["failed"] == 0
     assert evaluate["wrong_model_name"]["last_line"] in flat
     assert f"answered after {evaluate['server_start_s']} s" in flat
+    compiled = (evaluate["server_torch_compile_s"], stack["server_torch_compile_s"])
+    assert "torch.compile took {:.1f} s against {:.1f} s".format(*compiled) in flat
     killed, resumed = faults["killed"], faults["resumed"]
     assert killed["exit_status"] == 1 and not killed["completed"] and resumed["exit_status"] == 0
     assert f"killed {killed['server_killed_after_s']} s into the run" in flat
