@@ -11,13 +11,16 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import onnx
+import onnxruntime
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import rollout
 from benchmark.ocr_proxy import pretrain
-from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve
+from benchmark.ocr_proxy.onnx_network import OnnxNetwork
+from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, GpuOcrPool, OcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
 from ocr_reward import PaddleScorer, make_scorer
@@ -128,18 +131,83 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     assert blind[0].tolist() == [0.0, 0.0, 0.0] and blind[1] == ["", "", ""]  # the KL-only control's reward
 
 
-def test_pool_speed_reads_alike_at_each_opencv_setting_and_counts_the_workers_threads(tmp_path):
-    """benchmark/ocr_proxy/pool_speed.py: the same transcriptions whatever OpenCV's threads, and
-    one OpenCV thread a worker leaves each worker fewer threads than OpenCV's default."""
+def test_onnx_network_computes_pp_ocrs_networks_as_onnx_runtime_does(tmp_path):
+    """OnnxNetwork runs RapidOCR's detection and recognition files in torch: the same outputs as
+    ONNX Runtime on a render and on another batch size and width; an operator it does not cover
+    is one line naming it."""
+    from rapidocr_onnxruntime.main import DEFAULT_CFG_PATH
+    from rapidocr_onnxruntime.utils import read_yaml, update_model_path
+
+    config = update_model_path(read_yaml(DEFAULT_CFG_PATH))
+    image = np.asarray(render("2718", Task()), np.float32).transpose(2, 0, 1)[None] / 127.5 - 1
+    rng = np.random.default_rng(0)
+    inputs = {"Det": [image, rng.uniform(-1, 1, (3, 3, 96, 160)).astype(np.float32)],
+              "Rec": [np.concatenate([image[:, :, 40:88]] * 3, 3)[..., :320],
+                      rng.uniform(-1, 1, (2, 3, 48, 400)).astype(np.float32)]}
+    for part, batches in inputs.items():
+        path = config[part]["model_path"]
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        network = OnnxNetwork(path)
+        for batch in batches:
+            expected = session.run(None, {"x": batch})[0]
+            with torch.inference_mode():
+                got = network(torch.from_numpy(batch)).numpy()
+            assert got.shape == expected.shape and np.abs(got - expected).max() < 1e-4 * max(1, np.abs(expected).max())
+        assert session.run(None, {"x": batches[0]})[0].max() > 0.5  # the render is text: outputs that mean something
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Erf", ["x"], ["y"], name="erf0")], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 12)]), tmp_path / "erf.onnx")
+    with pytest.raises(ValueError, match=r"erf.onnx: operator Erf \(erf0\) is not one OnnxNetwork covers"):
+        OnnxNetwork(str(tmp_path / "erf.onnx"))
+
+
+def test_the_gpu_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
+    """GpuOcrPool (here on the CPU): PP-OCR's networks converted to torch give the ONNX Runtime
+    engine's reads and scores, through the pool server too; reads that wait together run as one
+    batch; a network that fails fails its callers' reads rather than leaving them waiting."""
+    task = Task()
+    words = split_words(task, seed=0)["test"][:6]
+    rng = np.random.default_rng(0)
+    clean = [np.asarray(render(w, task)) for w in words]
+    noisy = [np.clip(im + rng.normal(0, 160, im.shape), 0, 255).astype(np.uint8) for im in clean]
+    images = np.stack(clean + noisy + [np.full((128, 128, 3), 255, np.uint8)])
+    targets = words + words + [words[0]]
+    expected = PaddleScorer()(images, targets)
+    assert 0 < expected[0][6:12].mean() < 1  # the noisy renders are hard to read
+    pool = GpuOcrPool("cpu", threads=6)
+    try:
+        scores, texts = pool.score(images, targets)
+        assert scores.tolist() == expected[0].tolist() and texts == expected[1]
+        assert pool.detector.batches < len(images)  # reads that waited together ran as one batch
+        with serve(pool) as url:
+            served = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=13)(images, targets)
+        assert served[0].tolist() == expected[0].tolist() and served[1] == expected[1]
+        pool.recognizer.network = None  # calling it fails
+        with pytest.raises(TypeError):
+            pool.read(images[0])
+    finally:
+        pool.close()
+
+
+def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(tmp_path):
+    """benchmark/ocr_proxy/pool_speed.py: the same transcriptions whatever OpenCV's threads and with
+    the networks in torch, and one OpenCV thread a worker leaves each worker fewer threads than
+    OpenCV's default."""
     out = tmp_path / "speed.json"
     script = Path(pretrain.__file__).with_name("pool_speed.py")
-    subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "6", "--out", str(out)],
+    subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "6", "--noise", "25", "150",
+                    "--settings", "cpu:-1", "cpu:1", "torch:cpu", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
-    result = json.loads(out.read_text())
-    default, one = result["settings"]["-1"], result["settings"]["1"]
-    assert default["identical_to_the_first"] == one["identical_to_the_first"] == 6
-    assert one["threads_per_worker"][0] < default["threads_per_worker"][0]
-    assert one["mean_score"] == default["mean_score"] > 0 and one["cpu_s_per_image"] > 0
+    result = json.loads(out.read_text())["settings"]
+    for noise in ("noise25", "noise150"):
+        default, one, torch_reads = (result[s][noise] for s in ("cpu:-1", "cpu:1", "torch:cpu"))
+        assert default["identical_to_cpu:-1"] == one["identical_to_cpu:-1"] == 6
+        assert torch_reads["identical_to_cpu:-1"] == 6 and torch_reads["score_difference_to_cpu:-1"]["max_abs"] == 0
+        assert one["mean_score"] == default["mean_score"] and one["cpu_s_per_image"] > 0
+    # before this process ran PP-OCR itself (torch:cpu), which leaves OpenCV's threads at one
+    assert result["cpu:1"]["noise25"]["threads_per_process"][0] < result["cpu:-1"]["noise25"]["threads_per_process"][0]
+    assert result["cpu:1"]["noise150"]["mean_score"] < result["cpu:1"]["noise25"]["mean_score"] == 1
 
 
 def _listen_overflows():
@@ -247,18 +315,19 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
     checkpoint to the curves and adapters of a benchmark that ran straight through."""
     from benchmark.ocr_proxy import run_benchmark
 
-    def bench(out, iterations, resume=False):
+    def bench(out, iterations, resume=False, ocr_engine="onnxruntime"):
         args = run_benchmark.Args(out=str(tmp_path / out), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                                   iterations=iterations, eval_every=1, eval_prompts=2, eval_split="validation",
                                   ocr_workers=1, prompts_per_rank=2, group_size=2, train_batch_size=2,
-                                  algorithms=["crd"], final_scores=False, resume=resume,
+                                  algorithms=["crd"], final_scores=False, resume=resume, ocr_engine=ocr_engine,
                                   # a guided KL anchor moves the adapters where every reward is 0
                                   trainer_args="--num-steps 3 --num-train-timesteps 1 --kl-cfg 4.5")
         return run_benchmark.main(args)
 
     straight = bench("straight", 2)
-    bench("stopped", 1)
-    resumed = bench("stopped", 2, resume=True)
+    # the stopped benchmark reads with PP-OCR's networks in torch (ocr_pool.GpuOcrPool): the same rewards
+    bench("stopped", 1, ocr_engine="torch")
+    resumed = bench("stopped", 2, resume=True, ocr_engine="torch")
     assert resumed["return_codes"] == {"crd_seed3": 0} and resumed["failed"] == []
     for tag in ("train/reward_mean", *run_benchmark.HELD_OUT_TAGS):
         curves = [run_benchmark.scalars(tmp_path / out / "runs" / "crd_seed3", tag) for out in ("straight", "stopped")]

@@ -1,11 +1,14 @@
-"""The PP-OCR pool alone: reads a second, CPU seconds a read and threads a worker, for each setting of the
-workers' OpenCV threads, on noisy renders of random codes (the same images for every setting).
+"""The PP-OCR pool alone: reads a second and CPU seconds a read for each setting of the pool, on noisy renders of
+random codes (the same images for every setting), and how far each setting's reads agree with the first's.
 
     python benchmark/ocr_proxy/pool_speed.py --workers 10 --out pool_speed.json
+    python benchmark/ocr_proxy/pool_speed.py --settings cpu:1 torch:cuda --noise 25 100 150   # PP-OCR on the GPU
 
-The pool is forked after torch is imported, as run_benchmark.py forks it. A setting's CPU time is its
-workers' (user + system, from /proc) over its timed reads; its transcriptions are compared with the first
-setting's.
+A setting is `cpu:N` (OcrPool: --workers processes, each with N OpenCV threads; -1: OpenCV's default) or
+`torch:DEVICE` (GpuOcrPool: its networks batched on DEVICE, --workers reader threads in this process). The CPU pool
+is forked after torch is imported, as run_benchmark.py forks it. A setting's CPU time is its workers' (user +
+system, from /proc), or this process's for `torch:DEVICE`, over its timed reads. The renders carry Gaussian noise at each --noise level, so
+that some reads are hard.
 """
 
 from __future__ import annotations
@@ -18,25 +21,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch  # noqa: F401  (imported before the fork, as the benchmark driver does)
+import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy.machine import process_cpu_and_threads  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import GpuOcrPool, OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, render  # noqa: E402
 
 
 @dataclass
 class Args:
     workers: int = 10
-    """PP-OCR engines of the pool"""
+    """PP-OCR engines of a cpu pool, reader threads of the cuda one"""
     images: int = 960
-    """renders read by each setting (after a warm-up of 4 a worker)"""
-    noise: float = 25.0
-    """standard deviation of the Gaussian noise added to each render (0-255)"""
-    opencv_threads: list[int] = field(default_factory=lambda: [-1, 1])
-    """OpenCV threads of each worker, one setting each (-1: OpenCV's default)"""
+    """renders read by each setting at each noise level (after a warm-up of 4 a worker)"""
+    noise: list[float] = field(default_factory=lambda: [25.0])
+    """standard deviations of the Gaussian noise added to the renders (0-255), one set of renders each"""
+    settings: list[str] = field(default_factory=lambda: ["cpu:-1", "cpu:1"])
+    """the pools to time: cpu:N (N OpenCV threads a worker; -1: OpenCV's default) or torch:DEVICE"""
     out: str = ""
     """also write the results to this JSON file"""
 
@@ -49,38 +52,52 @@ def noisy_renders(count: int, noise: float) -> tuple[np.ndarray, list[str]]:
     return np.stack(images).astype(np.uint8), words
 
 
-def measure(args: Args, opencv_threads: int, images: np.ndarray, words: list[str]) -> tuple[dict, list[str]]:
-    pool = OcrPool(args.workers, None if opencv_threads == -1 else opencv_threads)
+def make_pool(setting: str, workers: int) -> OcrPool | GpuOcrPool:
+    kind, value = setting.split(":", 1)
+    if kind == "torch":
+        return GpuOcrPool(value, workers)
+    return OcrPool(workers, None if value == "-1" else int(value))
+
+
+def measure(setting: str, workers: int, images: np.ndarray, words: list[str]) -> tuple[dict, np.ndarray, list]:
+    pool = make_pool(setting, workers)
     try:
-        warm = 4 * args.workers
+        warm = 4 * workers
         pool.score(images[:warm], words[:warm])
-        before = [process_cpu_and_threads(pid)[0] for pid in pool.pids()]
+        pids = pool.pids() or [os.getpid()]
+        before = [process_cpu_and_threads(pid)[0] for pid in pids]
         start = time.perf_counter()
         scores, texts = pool.score(images, words)
         wall = time.perf_counter() - start
-        after = [process_cpu_and_threads(pid) for pid in pool.pids()]
+        after = [process_cpu_and_threads(pid) for pid in pids]
     finally:
         pool.close()
     cpu = sum(a[0] - b for a, b in zip(after, before))
     return {"wall_s": round(wall, 2), "images_per_s": round(len(words) / wall, 1),
-            "cpu_s_per_image": round(cpu / len(words), 4),
-            "threads_per_worker": sorted({a[1] for a in after}),
-            "mean_score": float(scores.mean()), "load1": round(os.getloadavg()[0], 1)}, texts
+            "cpu_s_per_image": round(cpu / len(words), 4), "threads_per_process": sorted({a[1] for a in after}),
+            "mean_score": round(float(scores.mean()), 4), "load1": round(os.getloadavg()[0], 1)}, scores, texts
 
 
 def main(args: Args) -> dict:
-    if args.workers < 1 or args.images < 1 or not args.opencv_threads:
-        sys.exit("pool_speed.py: error: --workers and --images must be at least 1, and "
-                 "--opencv-threads name one or more settings")
-    images, words = noisy_renders(args.images, args.noise)
-    result = {"workers": args.workers, "images": args.images, "cores": os.cpu_count(), "settings": {}}
-    first = None
-    for threads in args.opencv_threads:
-        row, texts = measure(args, threads, images, words)
-        first = first or texts
-        row["identical_to_the_first"] = sum(t == f for t, f in zip(texts, first))
-        result["settings"][str(threads)] = row
-        print(f"pool_speed: opencv threads {threads}: {row}", flush=True)
+    valid = all(s.startswith("torch:") or (s.startswith("cpu:") and s[4:].lstrip("-").isdigit())
+                for s in args.settings)
+    if args.workers < 1 or args.images < 1 or not args.settings or not args.noise or not valid:
+        sys.exit("pool_speed.py: error: --workers and --images must be at least 1, --noise names one or more "
+                 "levels, and --settings one or more of cpu:N and torch:DEVICE")
+    result = {"workers": args.workers, "images": args.images, "cores": os.cpu_count(),
+              "torch": torch.__version__, "settings": {}}
+    for noise in args.noise:
+        images, words = noisy_renders(args.images, noise)
+        first = None
+        for setting in args.settings:
+            row, scores, texts = measure(setting, args.workers, images, words)
+            first = first or (setting, scores, texts)
+            row["identical_to_" + first[0]] = sum(t == f for t, f in zip(texts, first[2]))
+            row["score_difference_to_" + first[0]] = {
+                "mean": round(float((scores - first[1]).mean()), 5),
+                "max_abs": round(float(np.abs(scores - first[1]).max()), 4)}
+            result["settings"].setdefault(setting, {})[f"noise{noise:g}"] = row
+            print(f"pool_speed: {setting}, noise {noise:g}: {row}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -49,7 +49,7 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -65,7 +65,8 @@ import rollout  # noqa: E402
 from benchmark.events import scalars as logged_scalars  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import (BLIND_MODEL_NAME, MODEL_NAME, GpuOcrPool, OcrPool,  # noqa: E402
+                                          serve)
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo", "nft")
@@ -123,7 +124,12 @@ class Args:
     """pool: the trainers' `--reward vllm` client reads PP-OCR from a local server backed by a pool of engines (the
     same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
     ocr_workers: int = 0
-    """PP-OCR engines of the pool (0: three fifths of the cores, the reads' share of the CPU)"""
+    """PP-OCR engines of the pool, or its reader threads with --ocr-engine torch (0: three fifths of the cores,
+    the reads' share of the CPU)"""
+    ocr_engine: Literal["onnxruntime", "torch"] = "onnxruntime"
+    """what runs the pool's PP-OCR networks: onnxruntime (on the CPU, a process an engine), or torch (the same
+    networks on GPU 0, or the CPU without one, batched across every waiting read, in this process:
+    ocr_pool.GpuOcrPool)"""
     trainer_threads: int = 1
     """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): a
     15.5M-parameter model's CPU work is kernel launches, and many trainers share the cores"""
@@ -449,7 +455,7 @@ def main(args: Args) -> dict:
     arguments, jobs = plan(args)
     cores = sorted(os.sched_getaffinity(0))
     workers = args.ocr_workers or max(1, round(len(cores) * 3 / 5))
-    pool = OcrPool(workers) if args.scorer == "pool" else None
+    pool = OcrPool(workers) if args.scorer == "pool" and args.ocr_engine == "onnxruntime" else None
     model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
     report["phases_s"]["pretrain"] = time.perf_counter() - started
     proxy = json.loads((model / "proxy.json").read_text())
@@ -462,10 +468,15 @@ def main(args: Args) -> dict:
     started = time.perf_counter()
     gpus = gpu_count()
     processes = {}
-    usage = Usage({"trainers": lambda: [p.pid for p in processes.values() if p.poll() is None],
-                   "ocr_pool": pool.pids if pool else list, "driver": lambda: [os.getpid()]})
-    with serve(pool) if pool else nullcontext() as url, \
-            mps_daemon(out / "mps") if args.mps else nullcontext({}) as mps_env:
+    with ExitStack() as stack:
+        mps_env = stack.enter_context(mps_daemon(out / "mps")) if args.mps else {}
+        if args.scorer == "pool" and args.ocr_engine == "torch":
+            os.environ.update(mps_env)  # this process's CUDA work shares the GPU with the runs' too
+            pool = GpuOcrPool("cuda" if gpus else "cpu", workers)
+        url = stack.enter_context(serve(pool)) if pool else None
+        # a GPU pool's reads are the driver's CPU time
+        usage = Usage({"trainers": lambda: [p.pid for p in processes.values() if p.poll() is None],
+                       "ocr_pool": pool.pids if pool else list, "driver": lambda: [os.getpid()]})
         if pool:
             # the reward is already PP-OCR: no second, in-process PP-OCR judge of the validation images
             reward = ["--reward", "vllm", "--reward-urls", url, "--reward-model", MODEL_NAME, "--eval-judge", "none"]
