@@ -190,6 +190,20 @@ def test_the_gpu_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
         pool.close()
 
 
+def test_the_torch_engines_agreement_in_the_docs_is_its_result_files():
+    """docs/ocr-proxy.md's figures for --ocr-engine torch are those of its result file."""
+    result = json.loads((ROOT / "benchmark/results/ocr_proxy_torch_engine_cpu.json").read_text())
+    rows = result["pool_speed"]["settings"]
+    identical = sum(row["identical_to_cpu:1"] for row in rows["torch:cpu"].values())
+    reads = result["pool_speed"]["images"] * len(rows["torch:cpu"])
+    lowest = min(row["mean_score"] for row in rows["cpu:1"].values())
+    assert identical == reads == 1440 and result["identical_reads"]["of"] == 480
+    assert all(row["mean_score"] == rows["cpu:1"][noise]["mean_score"] for noise, row in rows["torch:cpu"].items())
+    text = " ".join((ROOT / "docs/ocr-proxy.md").read_text().split())
+    assert f"{identical:,} of {reads:,} noisy renders, 480 at each of three noise levels, down to a mean score of " \
+           f"{lowest:.2f}" in text
+
+
 def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(tmp_path):
     """benchmark/ocr_proxy/pool_speed.py: the same transcriptions whatever OpenCV's threads and with
     the networks in torch, and one OpenCV thread a worker leaves each worker fewer threads than
