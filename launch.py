@@ -12,7 +12,9 @@ This is torch.distributed.run itself (torchrun), with two of its exceptions turn
   the join timeout for the node that was stopped).
 A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line before it starts, not its traceback;
 so is a rendezvous that not every node joined in time (its join_timeout, at the start or at a restart), and a node
-that found no rendezvous store to join (its host not started, or another address).
+that found no rendezvous store to join (its host not started, or another address). While an agent waits for the
+other nodes to join, where torchrun is silent, a line every quarter of the join timeout (at most every 30 s) says
+how long it has waited.
 SIGUSR1 (a common Slurm pre-emption signal, `--signal=USR1@600`) stops the run as SIGTERM does: torchrun forwards
 SIGTERM to the ranks, which save, and launch.py exits 143. With --max-restarts, launch.py gives each attempt's ranks a
 store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so that a restart survives a killed rank 0.
@@ -27,6 +29,9 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from functools import partial
 
 # the agent's own C++ warnings (a store socket's timeout at the exit barrier, a peer's store gone at
@@ -97,10 +102,52 @@ class BarrierTimeout(logging.Filter):
         return False
 
 
-class StopsAreNotRestarted(LocalElasticAgent):
+def join_timeout(rdzv_conf):
+    """The join timeout of torchrun's --rdzv-conf (key=value,...), 600 s where it names none."""
+    value = dict(pair.split("=", 1) for pair in rdzv_conf.split(",") if "=" in pair).get("join_timeout", "600")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        sys.exit(f"launch.py: error: --rdzv-conf join_timeout={value}: not a number of seconds above 0")
+    return seconds
+
+
+@contextmanager
+def lines_while_waiting(what, timeout_s):
+    """A line to stderr every quarter of timeout_s (at most every 30 s) until the block ends."""
+    every_s = min(30.0, timeout_s / 4)
+    began = time.monotonic()
+    done = threading.Event()
+
+    def say():
+        while not done.wait(every_s):
+            print(f"launch.py: {what}: {time.monotonic() - began:.0f} s of {timeout_s:g} s", file=sys.stderr,
+                  flush=True)
+
+    thread = threading.Thread(target=say, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+class TrainerAgent(LocalElasticAgent):
     """torchrun's agent, except that ranks that ended in the stop they all agreed on (a signal to a
     rank, here or on another node) are not restarted: the run was asked to stop, and a restart
-    would wait its join timeout for the node that was stopped."""
+    would wait its join timeout for the node that was stopped; and that it says how long it has
+    waited for the other nodes to join the rendezvous."""
+
+    def __init__(self, *args, waiting_line="", join_timeout_s=600.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
+
+    def _rendezvous(self, worker_group):
+        with lines_while_waiting(self.waiting_line, self.join_timeout_s):
+            super()._rendezvous(worker_group)
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
@@ -132,7 +179,10 @@ if __name__ == "__main__":
     # the ranks leave together (a barrier before they exit), so every node's agent reaches the
     # exit barrier within seconds of the others: the class torchrun's launcher builds agents of
     barrier_s = exit_barrier_timeout()
-    launcher_api.LocalElasticAgent = partial(StopsAreNotRestarted, exit_barrier_timeout=barrier_s)
+    waiting = (f"waiting for every one of the {torchrun_args.nnodes} nodes to join the rendezvous at "
+               f"{torchrun_args.rdzv_endpoint} (its join timeout: --rdzv-conf join_timeout, run.sh's JOIN_TIMEOUT)")
+    launcher_api.LocalElasticAgent = partial(TrainerAgent, exit_barrier_timeout=barrier_s, waiting_line=waiting,
+                                             join_timeout_s=join_timeout(torchrun_args.rdzv_conf))
     agent_api.logger.addFilter(BarrierTimeout(barrier_s))
     try:
         main()

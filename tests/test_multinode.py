@@ -192,15 +192,20 @@ def join_timeout_line(port):
 
 
 def test_a_node_whose_peer_never_comes_stops_after_join_timeout_in_one_line(tiny_model_dir, tmp_path):
-    """The host node started alone (NNODES=2): it waits JOIN_TIMEOUT (here 5 s), not torchrun's 600 s, and
-    ends in one line naming the rendezvous, where torchrun printed a traceback."""
+    """The host node started alone (NNODES=2): it waits JOIN_TIMEOUT (here 5 s), not torchrun's 600 s, says
+    every quarter of it how long it has waited (torchrun said nothing), and ends in one line naming the
+    rendezvous, where torchrun printed a traceback."""
     env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
     port = str(free_port())
     began = time.time()
     node = start(env, tmp_path / "node0", NNODES="2", NODE_RANK="0", MASTER_PORT=port, JOIN_TIMEOUT="5")
     ((code, _, err),) = finish([node], [tmp_path / "node0"])
     assert code == 1 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == join_timeout_line(port)
+    lines = err.strip().splitlines()
+    assert lines[-1] == join_timeout_line(port)
+    waiting = [line for line in lines if line.startswith("launch.py: waiting for every one of the 2 nodes to join "
+                                                         f"the rendezvous at 127.0.0.1:{port} (its join timeout")]
+    assert len(waiting) >= 2 and waiting[0].endswith(": 1 s of 5 s"), lines
     assert time.time() - began < 60
 
 
