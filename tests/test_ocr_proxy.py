@@ -210,18 +210,15 @@ def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(t
     OpenCV's default."""
     out = tmp_path / "speed.json"
     script = Path(pretrain.__file__).with_name("pool_speed.py")
-    subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "6", "--noise", "25", "150",
+    subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "4", "--noise", "25",
                     "--settings", "cpu:-1", "cpu:1", "torch:cpu", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
-    result = json.loads(out.read_text())["settings"]
-    for noise in ("noise25", "noise150"):
-        default, one, torch_reads = (result[s][noise] for s in ("cpu:-1", "cpu:1", "torch:cpu"))
-        assert default["identical_to_cpu:-1"] == one["identical_to_cpu:-1"] == 6
-        assert torch_reads["identical_to_cpu:-1"] == 6 and torch_reads["score_difference_to_cpu:-1"]["max_abs"] == 0
-        assert one["mean_score"] == default["mean_score"] and one["cpu_s_per_image"] > 0
-    # before this process ran PP-OCR itself (torch:cpu), which leaves OpenCV's threads at one
-    assert result["cpu:1"]["noise25"]["threads_per_process"][0] < result["cpu:-1"]["noise25"]["threads_per_process"][0]
-    assert result["cpu:1"]["noise150"]["mean_score"] < result["cpu:1"]["noise25"]["mean_score"] == 1
+    default, one, torch_reads = (json.loads(out.read_text())["settings"][s]["noise25"]
+                                 for s in ("cpu:-1", "cpu:1", "torch:cpu"))
+    assert default["identical_to_cpu:-1"] == one["identical_to_cpu:-1"] == torch_reads["identical_to_cpu:-1"] == 4
+    assert torch_reads["score_difference_to_cpu:-1"] == {"mean": 0.0, "max_abs": 0.0}
+    assert one["threads_per_process"][0] < default["threads_per_process"][0]
+    assert one["mean_score"] == default["mean_score"] > 0 and one["cpu_s_per_image"] > 0
 
 
 def _listen_overflows():
