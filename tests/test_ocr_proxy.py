@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import rollout
 from benchmark.ocr_proxy import pretrain
 from benchmark.ocr_proxy.onnx_network import OnnxNetwork
-from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, GpuOcrPool, OcrPool, serve
+from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
 from ocr_reward import PaddleScorer, make_scorer
@@ -163,7 +163,7 @@ def test_onnx_network_computes_pp_ocrs_networks_as_onnx_runtime_does(tmp_path):
 
 
 def test_the_gpu_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
-    """GpuOcrPool (here on the CPU): PP-OCR's networks converted to torch give the ONNX Runtime
+    """TorchOcrPool (here on the CPU): PP-OCR's networks converted to torch give the ONNX Runtime
     engine's reads and scores, through the pool server too; reads that wait together run as one
     batch; a network that fails fails its callers' reads rather than leaving them waiting."""
     task = Task()
@@ -175,7 +175,7 @@ def test_the_gpu_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
     targets = words + words + [words[0]]
     expected = PaddleScorer()(images, targets)
     assert 0 < expected[0][6:12].mean() < 1  # the noisy renders are hard to read
-    pool = GpuOcrPool("cpu", threads=6)
+    pool = TorchOcrPool("cpu", threads=6)
     try:
         scores, texts = pool.score(images, targets)
         assert scores.tolist() == expected[0].tolist() and texts == expected[1]
@@ -336,7 +336,7 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
         return run_benchmark.main(args)
 
     straight = bench("straight", 2)
-    # the stopped benchmark reads with PP-OCR's networks in torch (ocr_pool.GpuOcrPool): the same rewards
+    # the stopped benchmark reads with PP-OCR's networks in torch (ocr_pool.TorchOcrPool): the same rewards
     bench("stopped", 1, ocr_engine="torch")
     resumed = bench("stopped", 2, resume=True, ocr_engine="torch")
     assert resumed["return_codes"] == {"crd_seed3": 0} and resumed["failed"] == []

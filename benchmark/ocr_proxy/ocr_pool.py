@@ -8,11 +8,11 @@ side, each with such an engine, slow each other down; one single-threaded engine
     scores, texts = pool.score(images, targets)         # ocr_reward.ocr_score of each read
     with serve(pool) as url:                            # crd.py --reward vllm --reward-urls URL: the same scores
         ...
-    pool = GpuOcrPool("cuda")                           # the same reads, PP-OCR's networks batched on a GPU
+    pool = TorchOcrPool("cuda")                         # the same reads, PP-OCR's networks batched on a GPU
 
-Of a read's CPU time on one core, 0.78 is the recognition network and 0.18 the detection network; RapidOCR's
-steps around them take the rest (1 ms). GpuOcrPool runs the two networks from the same ONNX files in torch
-(onnx_network.py) on a GPU, in batches of every read waiting, and keeps RapidOCR's own steps on the CPU.
+Almost all of a read's CPU time is PP-OCR's two networks, the recognition network most. TorchOcrPool runs them from
+the same ONNX files in torch (onnx_network.py) on a GPU, in batches of every read waiting, and keeps RapidOCR's own
+steps around them on the CPU.
 """
 
 from __future__ import annotations
@@ -140,18 +140,18 @@ class BatchedNetwork:
         self.thread.join()
 
 
-class GpuOcrPool:
+class TorchOcrPool:
     """OcrPool's reads, with PP-OCR's detection and recognition networks batched on a device (a GPU;
     "cpu" in tests) and RapidOCR's steps around them on `threads` CPU threads, each with its own
     engine (RapidOCR's detector keeps per-call state). No worker processes: the reads are this
-    process's CPU time. TF32 stays off, so the networks compute in float32 as ONNX Runtime's do."""
+    process's CPU time. The networks run at torch's default precision, which on a GPU lets cuDNN's
+    convolutions use TF32 (this process's sampling does too): pool_speed.py compares the reads
+    with ONNX Runtime's."""
 
     def __init__(self, device: str = "cuda", threads: int = 16):
         from rapidocr_onnxruntime.main import DEFAULT_CFG_PATH
         from rapidocr_onnxruntime.utils import read_yaml, update_model_path
 
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
         config = update_model_path(read_yaml(DEFAULT_CFG_PATH))
         self.detector = BatchedNetwork(OnnxNetwork(config["Det"]["model_path"]), device)
         self.recognizer = BatchedNetwork(OnnxNetwork(config["Rec"]["model_path"]), device)

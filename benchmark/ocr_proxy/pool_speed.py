@@ -5,10 +5,10 @@ random codes (the same images for every setting), and how far each setting's rea
     python benchmark/ocr_proxy/pool_speed.py --settings cpu:1 torch:cuda --noise 25 100 150   # PP-OCR on the GPU
 
 A setting is `cpu:N` (OcrPool: --workers processes, each with N OpenCV threads; -1: OpenCV's default) or
-`torch:DEVICE` (GpuOcrPool: its networks batched on DEVICE, --workers reader threads in this process). The CPU pool
-is forked after torch is imported, as run_benchmark.py forks it. A setting's CPU time is its workers' (user +
-system, from /proc), or this process's for `torch:DEVICE`, over its timed reads. The renders carry Gaussian noise at each --noise level, so
-that some reads are hard.
+`torch:DEVICE` (TorchOcrPool: its networks batched on DEVICE, --workers reader threads in this process). The CPU
+pool is forked after torch is imported, as run_benchmark.py forks it. A setting's CPU time is its workers' (user +
+system, from /proc), or this process's for `torch:DEVICE`, over its timed reads. The renders carry Gaussian noise at
+each --noise level, so that some reads are hard.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy.machine import process_cpu_and_threads  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import GpuOcrPool, OcrPool  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import OcrPool, TorchOcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, render  # noqa: E402
 
 
@@ -52,10 +52,10 @@ def noisy_renders(count: int, noise: float) -> tuple[np.ndarray, list[str]]:
     return np.stack(images).astype(np.uint8), words
 
 
-def make_pool(setting: str, workers: int) -> OcrPool | GpuOcrPool:
+def make_pool(setting: str, workers: int) -> OcrPool | TorchOcrPool:
     kind, value = setting.split(":", 1)
     if kind == "torch":
-        return GpuOcrPool(value, workers)
+        return TorchOcrPool(value, workers)
     return OcrPool(workers, None if value == "-1" else int(value))
 
 

@@ -65,7 +65,7 @@ import rollout  # noqa: E402
 from benchmark.events import scalars as logged_scalars  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import (BLIND_MODEL_NAME, MODEL_NAME, GpuOcrPool, OcrPool,  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import (BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool,  # noqa: E402
                                           serve)
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
@@ -129,7 +129,7 @@ class Args:
     ocr_engine: Literal["onnxruntime", "torch"] = "onnxruntime"
     """what runs the pool's PP-OCR networks: onnxruntime (on the CPU, a process an engine), or torch (the same
     networks on GPU 0, or the CPU without one, batched across every waiting read, in this process:
-    ocr_pool.GpuOcrPool)"""
+    ocr_pool.TorchOcrPool)"""
     trainer_threads: int = 1
     """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): a
     15.5M-parameter model's CPU work is kernel launches, and many trainers share the cores"""
@@ -472,7 +472,7 @@ def main(args: Args) -> dict:
         mps_env = stack.enter_context(mps_daemon(out / "mps")) if args.mps else {}
         if args.scorer == "pool" and args.ocr_engine == "torch":
             os.environ.update(mps_env)  # this process's CUDA work shares the GPU with the runs' too
-            pool = GpuOcrPool("cuda" if gpus else "cpu", workers)
+            pool = TorchOcrPool("cuda" if gpus else "cpu", workers)
         url = stack.enter_context(serve(pool)) if pool else None
         # a GPU pool's reads are the driver's CPU time
         usage = Usage({"trainers": lambda: [p.pid for p in processes.values() if p.poll() is None],
