@@ -4,6 +4,7 @@ agrees on, and leaving the group in step."""
 
 import os
 import signal
+import socket
 import sys
 from dataclasses import asdict
 from datetime import timedelta
@@ -110,6 +111,20 @@ def agreed_stop(signum, nonfinite_streak, max_nonfinite_steps, scorer_failure, d
     if failed:
         return stop_signal, scorer_failure or "the reward failed on another rank"
     return stop_signal, None
+
+
+def signalled_ranks(signum, world_size):
+    """Which ranks a stop signal reached, on which hosts, e.g. "ranks 2, 3 on node-b" (a
+    collective, after agreed_stop agreed on a signal)."""
+    ranks = [None] * world_size
+    dist.all_gather_object(ranks, (dist.get_rank(), socket.gethostname(), signum))
+    hosts = {}  # {host: the ranks on it that the signal reached}
+    for rank, host, received in ranks:
+        if received:
+            hosts.setdefault(host, []).append(str(rank))
+    named = [f"{'ranks' if len(on_host) > 1 else 'rank'} {', '.join(on_host)} on {host}"
+             for host, on_host in hosts.items()]
+    return "; ".join(named)
 
 
 def leave_process_group():

@@ -34,7 +34,7 @@ from checkpoint import (EVAL_SCORES, GracefulStop, RunComplete, RunError, actor_
 from checks import check_judge_models, fail, scorers_of
 from data import load_train_and_eval_prompts
 from distributed import (actor_device, agreed_stop, all_mean_, gather, leave_process_group,
-                         settings_mismatch, shared_settings)
+                         settings_mismatch, shared_settings, signalled_ranks)
 from iteration import PhaseTimer
 from memory import (TRAINER_MEMORY_FLAGS, memory_error, model_shape,
                     one_line_on_out_of_memory)
@@ -176,6 +176,7 @@ class Run:
         self.tracking = None  # the W&B run of --track (main process)
         self.bar = None
         self.stop_signal = 0
+        self.signalled = ""  # which ranks, on which hosts, a stop signal reached (several ranks)
         self.stopped_by = None
         self.state = None
         self.phase = "loading the models"  # None: an iteration's, told by its timer's laps
@@ -325,9 +326,12 @@ class Run:
         peaks = actor_peak_memory(self.device, self.world_size)  # after validation: it may peak
         state_peaks = self.state["peak_mem_gib"]
         self.state["peak_mem_gib"] = {k: max(v, state_peaks.get(k, 0.0)) for k, v in peaks.items()}
+        signum = self.signals.signum
         self.stop_signal, self.stopped_by = agreed_stop(
-            self.signals.signum, optimizer_step.nonfinite_streak, self.args.max_nonfinite_steps,
+            signum, optimizer_step.nonfinite_streak, self.args.max_nonfinite_steps,
             scorer.failure, self.device, self.world_size)  # the scorer may fail in validation
+        if self.stop_signal and self.world_size > 1:
+            self.signalled = signalled_ranks(signum, self.world_size)
         if self.main_process:
             self.writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iterations)
         return bool(self.stopped_by)
@@ -419,6 +423,10 @@ class Run:
             print(json.dumps(self.write_summary(), indent=1))
             # the first line named the run directory, many progress lines ago
             print(f"run {self.dir}: summary.json, TensorBoard events and checkpoints", flush=True)
+            if self.signalled:  # several ranks, maybe on several nodes: whose signal it was
+                print(f"{Path(sys.argv[0]).name}: {self.stopped_by} reached {self.signalled}: "
+                      f"every rank stopped after iteration {state['iteration']}; --resume-from "
+                      "latest continues", file=sys.stderr, flush=True)
         exit_code = run_exit_code(self.stop_signal, self.stopped_by, state["iteration"], self.dir)
         if self.tracking:  # before os._exit below, which skips wandb's own exit hook
             self.tracking.finish(exit_code=exit_code)

@@ -6,7 +6,9 @@ adapters and logs; every rank holds the same adapters and optimizer state; a res
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -212,6 +214,10 @@ def test_sigterm_under_torchrun_stops_every_rank_with_a_checkpoint(tiny_model_di
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["completed"] is False and summary["stopped_by"] == "SIGTERM" and summary["world_size"] == 2
     assert summary["iterations"] == int(saved.name.split("_")[-1]) >= 1
+    # rank 0 names the ranks the signal reached (both, unless one got it an iteration later) and their host
+    assert re.search(rf"^crd\.py: SIGTERM reached (ranks 0, 1|rank [01]) on {re.escape(socket.gethostname())}: every "
+                     rf"rank stopped after iteration {summary['iterations']}; --resume-from latest continues$",
+                     stderr, re.M), stderr[-3000:]
     state = json.loads((saved / "trainer_state.json").read_text())
     assert state["iteration"] == summary["iterations"] and state["world_size"] == 2
     assert {key.split(".")[0] for key in adapters(tmp_path / "run", state["iteration"])} == {"policy", "old", "sampling"}

@@ -10,8 +10,10 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +159,10 @@ def test_sigterm_to_one_node_stops_both_and_one_node_resumes_bitwise(one_node, t
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] is False and summary["stopped_by"] == "SIGTERM"
     assert summary["iterations"] == int(saved.name.split("_")[-1]) < ITERATIONS
+    # rank 0, on either node, names the one rank the signal reached (node 0's) and its host
+    said = re.findall(r"^crd\.py: SIGTERM reached rank ([01]) on (.+): every rank stopped after iteration "
+                      rf"{summary['iterations']}; --resume-from latest continues$", err0 + err1, re.M)
+    assert len(said) == 1 and said[0][1] == socket.gethostname(), (err0[-3000:], err1[-3000:])
     resumed = succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
                              NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
     assert f"--resume-from latest: {saved}\n" in resumed[0][1]
