@@ -322,7 +322,8 @@ class Run:
 
     def agreed_stop(self, iterations, optimizer_step, scorer):
         """Whether every rank stops now: a signal to any rank, too many non-finite gradients in a
-        row, or a failed scorer (a collective). Records the peak memory of every rank first."""
+        row, or a failed scorer (a collective). Records the peak memory of every rank first, and
+        which ranks a stop signal reached."""
         peaks = actor_peak_memory(self.device, self.world_size)  # after validation: it may peak
         state_peaks = self.state["peak_mem_gib"]
         self.state["peak_mem_gib"] = {k: max(v, state_peaks.get(k, 0.0)) for k, v in peaks.items()}
