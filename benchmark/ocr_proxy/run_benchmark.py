@@ -14,7 +14,8 @@ settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL 
 `--final-guidances` scores the final checkpoints at more CFG scales, `--resume` continues runs that `--time-limit-s`
 stopped. The reward is PP-OCR: by default the driver serves ocr_reward.PaddleScorer's reads from a pool of
 single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the in-process
-`--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead.
+`--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead, and
+`--ocr-engine torch` runs the pool's PP-OCR networks in torch on the GPU, batched (the same reads on the CPU).
 Every algorithm gets the same prompts, seeds, iterations, images per iteration and optimizer steps: only the
 trainer script differs. All anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
 anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy, and CRD's
