@@ -162,8 +162,8 @@ def test_onnx_network_computes_pp_ocrs_networks_as_onnx_runtime_does(tmp_path):
         OnnxNetwork(str(tmp_path / "erf.onnx"))
 
 
-def test_the_gpu_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
-    """TorchOcrPool (here on the CPU): PP-OCR's networks converted to torch give the ONNX Runtime
+def test_the_torch_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
+    """TorchOcrPool (here on the CPU): PP-OCR's networks run in torch give the ONNX Runtime
     engine's reads and scores, through the pool server too; reads that wait together run as one
     batch; a network that fails fails its callers' reads rather than leaving them waiting."""
     task = Task()

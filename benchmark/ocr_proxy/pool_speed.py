@@ -33,7 +33,7 @@ from benchmark.ocr_proxy.render import Task, render  # noqa: E402
 @dataclass
 class Args:
     workers: int = 10
-    """PP-OCR engines of a cpu pool, reader threads of the cuda one"""
+    """PP-OCR engines of a cpu pool, reader threads of a torch one"""
     images: int = 960
     """renders read by each setting at each noise level (after a warm-up of 4 a worker)"""
     noise: list[float] = field(default_factory=lambda: [25.0])
