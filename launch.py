@@ -74,16 +74,20 @@ def check_nproc_per_node(value):
         fail("must be at least 1")
 
 
-def exit_barrier_timeout():
-    """EXIT_BARRIER_TIMEOUT's seconds (30 by default), or one line."""
-    value = os.environ.get("EXIT_BARRIER_TIMEOUT", "30")
+def seconds_above_0(value, name):
+    """value as a number of seconds above 0, or one line naming the setting."""
     try:
         seconds = float(value)
     except ValueError:
         seconds = 0.0
     if not 0 < seconds < float("inf"):
-        sys.exit(f"launch.py: error: EXIT_BARRIER_TIMEOUT={value}: not a number of seconds above 0")
+        sys.exit(f"launch.py: error: {name}={value}: not a number of seconds above 0")
     return seconds
+
+
+def exit_barrier_timeout():
+    """EXIT_BARRIER_TIMEOUT's seconds (30 by default), or one line."""
+    return seconds_above_0(os.environ.get("EXIT_BARRIER_TIMEOUT", "30"), "EXIT_BARRIER_TIMEOUT")
 
 
 class BarrierTimeout(logging.Filter):
@@ -105,13 +109,7 @@ class BarrierTimeout(logging.Filter):
 def join_timeout(rdzv_conf):
     """The join timeout of torchrun's --rdzv-conf (key=value,...), 600 s where it names none."""
     value = dict(pair.split("=", 1) for pair in rdzv_conf.split(",") if "=" in pair).get("join_timeout", "600")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if not 0 < seconds < float("inf"):
-        sys.exit(f"launch.py: error: --rdzv-conf join_timeout={value}: not a number of seconds above 0")
-    return seconds
+    return seconds_above_0(value, "--rdzv-conf join_timeout")
 
 
 @contextmanager

@@ -381,6 +381,15 @@ def test_launch_py_names_a_bad_exit_barrier_timeout_before_torchrun_starts(value
         f"launch.py: error: EXIT_BARRIER_TIMEOUT={value}: not a number of seconds above 0"]
 
 
+@pytest.mark.parametrize("value", ["abc", "-5"])
+def test_launch_py_names_a_bad_join_timeout_before_torchrun_starts(value, tmp_path):
+    result = subprocess.run([sys.executable, "launch.py", "--standalone", "--rdzv-conf", f"join_timeout={value}",
+                             "--nproc-per-node", "1", str(tmp_path / "never_run.py")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"launch.py: error: --rdzv-conf join_timeout={value}: not a number of seconds above 0"]
+
+
 def test_ctrl_c_to_run_sh_stops_several_ranks_with_a_checkpoint_and_exit_130(tmp_path, tiny_model_dir):
     """SIGINT to run.sh's process alone (it execs the launcher, so no shell stands between): torchrun forwards it, the
     2 ranks (gloo on CPU) finish their iteration, rank 0 saves, and run.sh exits 130 without a traceback."""
