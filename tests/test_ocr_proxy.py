@@ -459,6 +459,7 @@ def test_the_sweep_choice_keeps_the_default_unless_a_second_half_gain_clears_its
     (dict(train_batch_size=7), "--train-batch-size 7 must be a multiple of --group-size 6 that divides the 48 images"),
     (dict(seeds=[0, 9999999999]), "--seed 9999999999: must be below 2^23"),
     (dict(out="file"), "run_benchmark.py: error: --out file: a file, not a directory"),
+    (dict(scorer="paddle", ocr_engine="torch"), "--ocr-engine torch: the pool's engine; --scorer paddle reads without"),
     (dict(out="file/sub"), "run_benchmark.py: error: --out file/sub: file is a file, not a directory"),
     (dict(pretrain=dict(out="file/sub/model")), "pretrain.py: error: --out file/sub/model: file is a file, not a dir"),
     (dict(pretrain=dict(task=Task(font_size=200, resolution=64))),  # the text is cut by the border

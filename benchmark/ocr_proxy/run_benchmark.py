@@ -190,6 +190,8 @@ def check_args(args: Args) -> None:
         runs |= named
     if args.trainer_threads < 0:
         fail(f"--trainer-threads {args.trainer_threads}: 0 (torch's default) or more")
+    if args.ocr_engine != "onnxruntime" and args.scorer != "pool":
+        fail(f"--ocr-engine {args.ocr_engine}: the pool's engine; --scorer {args.scorer} reads without the pool")
     if args.kl_only_control and args.scorer != "pool":
         fail("--kl-only-control: the reward that reads no text is served by the pool (--scorer pool)")
     if args.kl_only_control and any(variant_name(v.split("=", 1)[0])[1] == KL_ONLY for v in args.variants):
