@@ -202,6 +202,10 @@ def test_the_torch_engines_agreement_in_the_docs_is_its_result_files():
     text = " ".join((ROOT / "docs/ocr-proxy.md").read_text().split())
     assert f"{identical:,} of {reads:,} noisy renders, 480 at each of three noise levels, down to a mean score of " \
            f"{lowest:.2f}" in text
+    split = result["one_engine_read"]
+    assert split["detection_network_s"] + split["recognition_network_s"] + split["the_rest_s"] == pytest.approx(
+        split["cpu_s_per_read"], abs=2e-5)
+    assert f"and {split['networks_share']:.0%} of a read's CPU time is PP-OCR's two networks" in text
 
 
 def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(tmp_path):
@@ -210,11 +214,13 @@ def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(t
     OpenCV's default."""
     out = tmp_path / "speed.json"
     script = Path(pretrain.__file__).with_name("pool_speed.py")
-    subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "4", "--noise", "25",
+    subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "4", "--noise", "25", "--split",
                     "--settings", "cpu:-1", "cpu:1", "torch:cpu", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
-    default, one, torch_reads = (json.loads(out.read_text())["settings"][s]["noise25"]
-                                 for s in ("cpu:-1", "cpu:1", "torch:cpu"))
+    result = json.loads(out.read_text())
+    default, one, torch_reads = (result["settings"][s]["noise25"] for s in ("cpu:-1", "cpu:1", "torch:cpu"))
+    split = result["one_engine_read"]  # --split: the networks take most of a read
+    assert split["reads"] == 2 and 0.5 < split["networks_share"] <= 1 and split["recognition_network_s"] > 0
     assert default["identical_to_cpu:-1"] == one["identical_to_cpu:-1"] == torch_reads["identical_to_cpu:-1"] == 4
     assert torch_reads["score_difference_to_cpu:-1"] == {"mean": 0.0, "max_abs": 0.0}
     assert one["threads_per_process"][0] < default["threads_per_process"][0]

@@ -3,6 +3,7 @@ random codes (the same images for every setting), and how far each setting's rea
 
     python benchmark/ocr_proxy/pool_speed.py --workers 10 --out pool_speed.json
     python benchmark/ocr_proxy/pool_speed.py --settings cpu:1 torch:cuda --noise 25 100 150   # PP-OCR on the GPU
+    python benchmark/ocr_proxy/pool_speed.py --split --settings cpu:1          # where a read's CPU time goes
 
 A setting is `cpu:N` (OcrPool: --workers processes, each with N OpenCV threads; -1: OpenCV's default) or
 `torch:DEVICE` (TorchOcrPool: its networks batched on DEVICE, --workers reader threads in this process). The CPU
@@ -20,14 +21,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
 import tyro
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy.machine import process_cpu_and_threads  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool, TorchOcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, render  # noqa: E402
+from ocr_reward import PaddleScorer  # noqa: E402
 
 
 @dataclass
@@ -40,6 +44,9 @@ class Args:
     """standard deviations of the Gaussian noise added to the renders (0-255), one set of renders each"""
     settings: list[str] = field(default_factory=lambda: ["cpu:-1", "cpu:1"])
     """the pools to time: cpu:N (N OpenCV threads a worker; -1: OpenCV's default) or torch:DEVICE"""
+    split: bool = False
+    """also time one single-threaded engine's reads (of the first noise level's renders), split into
+    its detection network, its recognition network and RapidOCR's steps around them"""
     out: str = ""
     """also write the results to this JSON file"""
 
@@ -78,6 +85,38 @@ def measure(setting: str, workers: int, images: np.ndarray, words: list[str]) ->
             "mean_score": round(float(scores.mean()), 4), "load1": round(os.getloadavg()[0], 1)}, scores, texts
 
 
+def split_read(images: np.ndarray) -> dict:
+    """CPU seconds a read of one single-threaded engine spends in each network and in the rest, with
+    one OpenCV thread, as a pool worker has."""
+    cv2.setNumThreads(1)
+    scorer = PaddleScorer(threads=1)
+    spent = {"detection": 0.0, "recognition": 0.0}
+
+    def timed(name, session):
+        def call(inputs):
+            start = time.process_time()
+            outputs = session(inputs)
+            spent[name] += time.process_time() - start
+            return outputs
+        return call
+
+    scorer.engine.text_det.infer = timed("detection", scorer.engine.text_det.infer)
+    scorer.engine.text_rec.session = timed("recognition", scorer.engine.text_rec.session)
+    warm = min(20, len(images) // 2)
+    for image in images[:warm]:
+        scorer.read(Image.fromarray(image))
+    spent.update(detection=0.0, recognition=0.0)
+    start = time.process_time()
+    for image in images[warm:]:
+        scorer.read(Image.fromarray(image))
+    total, reads = time.process_time() - start, len(images) - warm
+    networks = spent["detection"] + spent["recognition"]
+    return {"reads": reads, "cpu_s_per_read": round(total / reads, 5),
+            "detection_network_s": round(spent["detection"] / reads, 5),
+            "recognition_network_s": round(spent["recognition"] / reads, 5),
+            "the_rest_s": round((total - networks) / reads, 5), "networks_share": round(networks / total, 3)}
+
+
 def main(args: Args) -> dict:
     valid = all(s.startswith("torch:") or (s.startswith("cpu:") and s[4:].lstrip("-").isdigit())
                 for s in args.settings)
@@ -98,6 +137,9 @@ def main(args: Args) -> dict:
                 "max_abs": round(float(np.abs(scores - first[1]).max()), 4)}
             result["settings"].setdefault(setting, {})[f"noise{noise:g}"] = row
             print(f"pool_speed: {setting}, noise {noise:g}: {row}", flush=True)
+    if args.split:  # after the pools, as it leaves this process one OpenCV thread
+        result["one_engine_read"] = split_read(noisy_renders(args.images, args.noise[0])[0])
+        print(f"pool_speed: one engine's read: {result['one_engine_read']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
