@@ -139,7 +139,7 @@ class TrainerAgent(LocalElasticAgent):
     would wait its join timeout for the node that was stopped; and that it says how long it has
     waited for the other nodes to join the rendezvous."""
 
-    def __init__(self, *args, waiting_line="", join_timeout_s=600.0, **kwargs):
+    def __init__(self, *args, waiting_line, join_timeout_s, **kwargs):
         super().__init__(*args, **kwargs)
         self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
 

@@ -5,7 +5,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import rollout
-from benchmark.ocr_proxy import pretrain
+from benchmark.ocr_proxy import ocr_pool, pretrain
 from benchmark.ocr_proxy.onnx_network import OnnxNetwork
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
@@ -164,8 +166,8 @@ def test_onnx_network_computes_pp_ocrs_networks_as_onnx_runtime_does(tmp_path):
 
 def test_the_torch_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
     """TorchOcrPool (here on the CPU): PP-OCR's networks run in torch give the ONNX Runtime
-    engine's reads and scores, through the pool server too; reads that wait together run as one
-    batch; a network that fails fails its callers' reads rather than leaving them waiting."""
+    engine's reads and scores, through the pool server too; a network that fails fails its
+    callers' reads rather than leaving them waiting."""
     task = Task()
     words = split_words(task, seed=0)["test"][:6]
     rng = np.random.default_rng(0)
@@ -179,7 +181,6 @@ def test_the_torch_pool_reads_as_paddle_does_with_its_networks_batched_in_torch(
     try:
         scores, texts = pool.score(images, targets)
         assert scores.tolist() == expected[0].tolist() and texts == expected[1]
-        assert pool.detector.batches < len(images)  # reads that waited together ran as one batch
         with serve(pool) as url:
             served = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=13)(images, targets)
         assert served[0].tolist() == expected[0].tolist() and served[1] == expected[1]
@@ -188,6 +189,34 @@ def test_the_torch_pool_reads_as_paddle_does_with_its_networks_batched_in_torch(
             pool.read(images[0])
     finally:
         pool.close()
+
+
+def test_a_batched_network_runs_the_inputs_that_waited_together_as_one_batch():
+    """While the network runs one batch, inputs of the same shape queue up: the next batch holds
+    them all, each caller gets its own rows; an input of another shape runs in a batch of its own."""
+    started, release = threading.Event(), threading.Event()
+    sizes = []
+
+    class Doubles(torch.nn.Module):  # holds its first batch until released
+        def forward(self, inputs):
+            sizes.append(len(inputs))
+            started.set()
+            release.wait(60)
+            return inputs * 2
+
+    batched = ocr_pool.BatchedNetwork(Doubles(), "cpu")
+    with ThreadPoolExecutor(5) as callers:
+        first = callers.submit(batched, np.zeros((1, 2), np.float32))
+        assert started.wait(60)
+        waiting = [callers.submit(batched, np.full((n, 2), n, np.float32)) for n in (1, 2, 3)]
+        other = callers.submit(batched, np.ones((1, 3), np.float32))
+        while batched.waiting.qsize() < 4:
+            time.sleep(0.01)
+        release.set()
+        assert [f.result()[0].tolist() for f in waiting] == [[[2, 2]], [[4, 4]] * 2, [[6, 6]] * 3]
+        assert other.result()[0].tolist() == [[2, 2, 2]] and first.result()[0].shape == (1, 2)
+    batched.close()
+    assert sorted(sizes) == [1, 1, 6]
 
 
 def test_the_torch_engines_agreement_in_the_docs_is_its_result_files():
