@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 import zipfile
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from judges import AESTHETIC_CLIP, PICKSCORE_MODEL, PICKSCORE_PROCESSOR
 from reward_mix import parse_mix
 from rollout import export_lora, load_lora_state_dict, lora_state_dict
+from settings import flat_settings
 
 ADAPTERS = ("policy", "old", "sampling")
 EVAL_SCORES = "eval_scores.jsonl"  # a run's per-prompt validation scores, a line a validation
@@ -144,7 +144,7 @@ class RunComplete(RunError):
 
 def resume_changes(checkpoint_state, args, world_size, algorithm):
     """(refused, allowed): "name old -> new" for each setting that differs from the checkpoint's."""
-    saved, current = checkpoint_state["args"], json.loads(json.dumps(vars(args)))  # tuples as the JSON's lists
+    saved, current = checkpoint_state["args"], json.loads(json.dumps(flat_settings(args)))  # tuples: lists
     saved, current = {**ADDED_SETTINGS, **saved}, {**ADDED_SETTINGS, **current}  # absent: as before it was added
     saved_world = checkpoint_state["world_size"]
     if checkpoint_state["algorithm"] != algorithm:  # its Args differ too: this says it all
@@ -173,7 +173,7 @@ def judge_model_unused(name, saved, current):
 
 def record_args(args):
     """The Args as a checkpoint records them: ADDED_SETTINGS at their old value left out."""
-    return {name: value for name, value in asdict(args).items()
+    return {name: value for name, value in flat_settings(args).items()
             if not (name in ADDED_SETTINGS and value == ADDED_SETTINGS[name])}
 
 
@@ -201,7 +201,7 @@ def prepare_run(args, algorithm, world_size, main_process):
     latest = args.resume_from == LATEST
     replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
     resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
-    reward = args.reward.replace(" ", "+")  # a mix: qwen-vl=0.8+pickscore=0.2
+    reward = args.scoring.reward.replace(" ", "+")  # a mix: qwen-vl=0.8+pickscore=0.2
     default_name = f"{args.exp_name}__{reward}__{args.seed}__{int(time.time())}"
     created = False
     if args.resume_from or args.run_name:

@@ -7,24 +7,16 @@ import importlib
 import math
 import sys
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import tyro
 
 from data import DataError
 from judges import judge_names
 from memory import out_of_memory
 from reward_mix import normalize_reward_specs, parse_mix
 from rollout import check_model_path
-
-
-# A flag of several words kept as one string, as --reward qwen-vl=0.8 pickscore=0.2 and
-# --eval-judge paddle flat take them (the trainers' Args annotate those two fields with it)
-WORDS = tyro.constructors.PrimitiveConstructorSpec(
-    nargs="*", metavar="NAME[=WEIGHT] ...", instance_from_str=" ".join,
-    is_instance=lambda value: isinstance(value, str), str_from_instance=str.split)
+from settings import flat_settings
 
 
 def fail(message):
@@ -44,7 +36,7 @@ def check_numbers(args, bounds):
 def check_finite(args):
     """One line for a flag of real numbers (one, or several as --old-decay) holding NaN or inf,
     which the range checks' comparisons would let through (any comparison with NaN is false)."""
-    for name, value in asdict(args).items():
+    for name, value in flat_settings(args).items():
         numbers = value if isinstance(value, tuple) else (value,)
         reals = [n for n in numbers if isinstance(n, float)]
         if not all(map(math.isfinite, reals)):
@@ -56,7 +48,7 @@ SMALLEST = {  # the least value of each whole-number flag
     "resolution": 16, "prompts_per_rank": 1, "lora_rank": 1, "lora_alpha": 1, "num_steps": 2,
     "train_batch_size": 1, "save_every": 1, "num_iterations": 0, "eval_every": 0, "keep_last": 0,
     "eval_steps": 1, "max_sequence_length": 1, "forward_batch_size": 0,
-    "policy_timesteps_per_forward": 1, "max_nonfinite_steps": 1, "reward_retries": 0, "seed": 0,
+    "policy_timesteps_per_forward": 1, "max_nonfinite_steps": 1, "seed": 0,
     "eval_seed": 0,
 }
 
@@ -70,7 +62,7 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
     check_numbers(args, {"learning_rate": (">", 0), "adam_eps": (">", 0), "weight_decay": (">=", 0),
                          "max_grad_norm": (">", 0), "adv_clip": (">", 0),
-                         "reward_timeout": (">", 0), "eval_guidance": (">=", 1)})
+                         "eval_guidance": (">=", 1)})
     if not all(0 <= beta < 1 for beta in args.adam_betas):
         betas = " ".join(f"{b:g}" for b in args.adam_betas)
         fail(f"--adam-betas {betas}: each must lie in [0, 1)")
@@ -79,12 +71,8 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.max_sequence_length > 512:
         fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most "
              "512 tokens")
-    try:  # canonical, as checkpoints and run names record them
-        args.reward, args.eval_judge = normalize_reward_specs(
-            args.reward, args.eval_judge, "--eval-judge", args.reward_urls, args.aesthetic_head,
-            judged=bool(args.eval_every))
-    except ValueError as error:
-        fail(error)
+    args.eval_judge = check_scoring_args(args.scoring, args.eval_judge, "--eval-judge",
+                                         judged=bool(args.eval_every))
     if args.eval_every and args.eval_prompts < 1:
         fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns "
              "validation off)")
@@ -111,6 +99,22 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     check_devices(args, "the trainers run")
 
 
+def check_scoring_args(scoring, judge, judge_flag, judged=True):
+    """--reward's block (settings.ScoringArgs) beside the judges `judge` of `judge_flag`: a bad
+    one in one line; --reward made canonical, as checkpoints and run names record it. Returns the
+    judges, canonical too."""
+    if scoring.reward_retries < 0:
+        fail(f"--reward-retries {scoring.reward_retries}: must be at least 0")
+    check_numbers(scoring, {"reward_timeout": (">", 0)})
+    try:
+        scoring.reward, judge = normalize_reward_specs(
+            scoring.reward, judge, judge_flag, scoring.reward_urls, scoring.aesthetic_head,
+            judged=judged)
+    except ValueError as error:
+        fail(error)
+    return judge
+
+
 def check_tracking():
     """--track needs wandb, an optional extra: one line if it is not installed."""
     try:
@@ -124,32 +128,32 @@ def scorers_of(args):
     """The names of the scorers a run loads: --reward's (its one reward, or a mix's components)
     and, when it validates, --eval-judge's."""
     judges = judge_names(args.eval_judge) if args.eval_every else []
-    return set(parse_mix(args.reward)) | set(judges)
+    return set(parse_mix(args.scoring.reward)) | set(judges)
 
 
-def check_judge_models(args, names):
+def check_judge_models(scoring, names):
     """A local --pickscore-model, --pickscore-processor or --aesthetic-model that holds no such
     model, or an --aesthetic-head that is no file, as a RuntimeError naming the flag, for the
     rewards and judges `names` that read them; before anything loads."""
     if "pickscore" in names:
-        check_model_path(args.pickscore_model, "--pickscore-model", "config.json",
+        check_model_path(scoring.pickscore_model, "--pickscore-model", "config.json",
                          "a transformers model")
-        check_model_path(args.pickscore_processor, "--pickscore-processor",
+        check_model_path(scoring.pickscore_processor, "--pickscore-processor",
                          "preprocessor_config.json", "an image processor")
     if "aesthetic" in names:
         for marker, kind in (("config.json", "a transformers model"),
                              ("preprocessor_config.json", "an image processor")):
-            check_model_path(args.aesthetic_model, "--aesthetic-model", marker, kind)
-        if not Path(args.aesthetic_head).is_file():
-            raise RuntimeError(f"--aesthetic-head {args.aesthetic_head}: no such file (the LAION "
+            check_model_path(scoring.aesthetic_model, "--aesthetic-model", marker, kind)
+        if not Path(scoring.aesthetic_head).is_file():
+            raise RuntimeError(f"--aesthetic-head {scoring.aesthetic_head}: no such file (the LAION "
                                "head, sac+logos+ava1-l14-linearMSE.pth)")
 
 
 def check_devices(args, runs_on):
     """--device, --reward-device and --text-encoder-device (empty: the actor's) name a cpu or cuda
     device this machine has; `runs_on` says who in the error, e.g. "evaluate.py runs"."""
-    for flag in ("device", "reward_device", "text_encoder_device"):
-        name = getattr(args, flag)
+    for flag, name in [("device", args.device), ("reward_device", args.scoring.reward_device),
+                       ("text_encoder_device", args.text_encoder_device)]:
         option = f"--{flag.replace('_', '-')}"
         try:
             index = torch.device(name).index if name else None

@@ -24,7 +24,7 @@ import torch
 import tyro
 from einops import rearrange
 
-from checks import WORDS, check_numbers, check_shared_args, fail, loading_errors_as_one_line
+from checks import check_numbers, check_shared_args, fail, loading_errors_as_one_line
 from compiling import Compiler
 from data import GroupSampler
 from iteration import GuardedStep, TrainingRows, image_seed
@@ -33,6 +33,7 @@ from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeli
                      negative_embeddings, use_adapter)
 from run import Run
 from scoring import training_scorer
+from settings import WORDS, ScoringArgs
 from validation import Validation
 
 
@@ -91,30 +92,11 @@ class Args:
     """torch.compile the transformer blocks and the VAE decoder on CUDA"""
 
     # Reward
-    reward: Annotated[str, WORDS] = "qwen-vl"
-    """scorer, or a weighted mix (qwen-vl=0.8 pickscore=0.2): qwen-vl, vllm (OpenAI server), paddle
-    (PP-OCR), pickscore, aesthetic, flat, brightness, compressibility"""
+    scoring: Annotated[ScoringArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ScoringArgs)
+    """what scores the images: --reward, and where the rewards' and judges' models and servers are"""
     reward_aggregation: Literal["sum", "gdpo"] = "sum"
     """a mix's advantages: of its weighted sum (sum), or of the weighted sum of its rewards each
     standardised within its prompt group (gdpo, where the weights alone count)"""
-    reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
-    """hub id or local directory of the OCR model (qwen-vl, vllm)"""
-    reward_device: str = ""
-    """device of the in-process reward model (empty: the actor device)"""
-    reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
-    """base URLs of `vllm serve` reward servers (reward vllm)"""
-    reward_timeout: float = 60.0
-    """seconds a reward server may take to answer one request (reward vllm)"""
-    reward_retries: int = 3
-    """retries, with backoff, of an image whose request failed (reward vllm)"""
-    pickscore_model: str = "yuvalkirstain/PickScore_v1"
-    """hub id or local directory of PickScore's CLIP model (reward or judge pickscore)"""
-    pickscore_processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
-    """hub id or local directory of PickScore's tokenizer and image processor"""
-    aesthetic_model: str = "openai/clip-vit-large-patch14"
-    """hub id or local directory of the CLIP whose embeddings the aesthetic head reads"""
-    aesthetic_head: str = ""
-    """the LAION aesthetic head, sac+logos+ava1-l14-linearMSE.pth (reward or judge aesthetic)"""
 
     # Optimisation
     num_iterations: int = 100

@@ -6,13 +6,13 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import asdict
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from checkpoint import PROMPT_FILES, prompt_files_sha256
+from settings import flat_settings
 
 
 def actor_device(name, world_size):
@@ -42,7 +42,7 @@ def shared_settings(args, algorithm):
     """{what: value} of what every rank must run alike: the trainer, every flag but PER_NODE's (as
     the command line spells them) and the contents of the prompt files."""
     settings = {"the trainer": algorithm}
-    settings |= {f"--{name.replace('_', '-')}": value for name, value in asdict(args).items()
+    settings |= {f"--{name.replace('_', '-')}": value for name, value in flat_settings(args).items()
                  if name not in PER_NODE}
     hashes = prompt_files_sha256(vars(args))
     for field, flag in PROMPT_FILES.items():

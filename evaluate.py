@@ -37,16 +37,17 @@ from PIL import Image
 from tqdm import tqdm
 
 from checkpoint import RunError, read_adapters
-from checks import WORDS, check_devices, check_judge_models, fail
+from checks import check_devices, check_judge_models, check_scoring_args, fail
 from data import DataError, load_prompts
 from judges import JUDGES, judge_names, make_guarded_judges, make_judge
 from memory import one_line_on_out_of_memory, out_of_memory
 from ocr_reward import ServerError
-from reward_mix import make_mix, normalize_reward_specs, parse_mix
+from reward_mix import make_mix, parse_mix
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
                      encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
                      sample)
-from scoring import ScoringThread, image_rewards
+from scoring import ScoringThread, image_rewards, scorer_options
+from settings import WORDS, ScoringArgs
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"
 # what an out-of-memory error advises: the flags that lower the peak of each phase
@@ -103,26 +104,11 @@ class Args:
     """T5 prompt tokens"""
 
     # Scoring
-    reward: Annotated[str, WORDS] = "qwen-vl"
-    """scorer, or a weighted mix as the trainers' --reward (qwen-vl=0.8 pickscore=0.2): qwen-vl (in process), vllm
-    (OpenAI server), paddle (PP-OCR), pickscore, aesthetic, flat, brightness, compressibility"""
-    reward_model: str = "Qwen/Qwen2.5-VL-3B-Instruct"
-    """hub id or local directory of the OCR model (qwen-vl, vllm)"""
-    reward_device: str = ""
-    """device of the in-process reward model (default: --device)"""
-    reward_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
-    """base URLs of `vllm serve` reward servers (reward vllm)"""
+    scoring: Annotated[ScoringArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ScoringArgs)
+    """--reward (the trainers' flags: one reward or a weighted mix) and its models and servers"""
     judge: Annotated[str, WORDS, tyro.conf.arg(metavar="NAME ...")] = "paddle"
     """judges beside --reward, as its names: paddle (PP-OCR, independent of the trained reward), pickscore, aesthetic,
     flat, a cheap check, ..., or none; a judge that is part of --reward is not scored again"""
-    pickscore_model: str = "yuvalkirstain/PickScore_v1"
-    """hub id or local directory of PickScore's CLIP model (reward or judge pickscore)"""
-    pickscore_processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
-    """hub id or local directory of PickScore's tokenizer and image processor"""
-    aesthetic_model: str = "openai/clip-vit-large-patch14"
-    """hub id or local directory of the CLIP whose embeddings the aesthetic head reads"""
-    aesthetic_head: str = ""
-    """the LAION aesthetic head, sac+logos+ava1-l14-linearMSE.pth (reward or judge aesthetic)"""
 
     # Running
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,11 +148,7 @@ def check_args(args):
         fail(f"--max-sequence-length {args.max_sequence_length}: must lie in [1, 512] (SD3's T5 encoder)")
     if not 0 <= args.seed < 2**62:
         fail(f"--seed {args.seed}: must lie in [0, 2^62)")
-    try:  # canonical, as the trainers record them
-        args.reward, args.judge = normalize_reward_specs(args.reward, args.judge, "--judge",
-                                                         args.reward_urls, args.aesthetic_head)
-    except ValueError as error:
-        fail(error)
+    args.judge = check_scoring_args(args.scoring, args.judge, "--judge")  # canonical, as trainers record
     check_devices(args, "evaluate.py runs")
 
 
@@ -379,8 +361,9 @@ if __name__ == "__main__":
     check_args(args)
     device = torch.device(args.device)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
-    weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
-    mix = args.reward not in JUDGES  # not a bare name: the score is the weighted sum of the components
+    reward = args.scoring.reward
+    weights = parse_mix(reward)  # {name: weight}: one reward, or a mix
+    mix = reward not in JUDGES  # not a bare name: the score is the weighted sum of the components
     judged = [name for name in judge_names(args.judge) if name not in weights]  # a component: scored
     lora, weights_sha256, rank, alpha, trained_model = None, None, None, None, None
     if args.checkpoint:
@@ -394,7 +377,7 @@ if __name__ == "__main__":
         what = f"base__{Path(model).name}"
     try:
         check_model_path(model)
-        check_judge_models(args, set(weights) | set(judged))
+        check_judge_models(args.scoring, set(weights) | set(judged))
         records = load_prompts(args.eval_data)[0]
     except (DataError, RuntimeError) as error:
         fail(error)
@@ -409,15 +392,15 @@ if __name__ == "__main__":
                 "weights_sha256": weights_sha256, "eval_data": str(Path(args.eval_data).resolve()), "seed": args.seed,
                 "num_steps": args.num_steps, "guidance": args.guidance, "negative_prompt": "",
                 "resolution": args.resolution, "max_sequence_length": args.max_sequence_length,
-                "dtype": "bfloat16" if device.type == "cuda" else "float32", "reward": args.reward,
-                "reward_model": args.reward_model if {"qwen-vl", "vllm"} & set(weights) else None,
+                "dtype": "bfloat16" if device.type == "cuda" else "float32", "reward": reward,
+                "reward_model": args.scoring.reward_model if {"qwen-vl", "vllm"} & set(weights) else None,
                 "judge": " ".join(judged) or None}
     for scorer_name, flag in (("pickscore", "pickscore_model"), ("pickscore", "pickscore_processor"),
                               ("aesthetic", "aesthetic_model"), ("aesthetic", "aesthetic_head")):
         if scorer_name in set(weights) | set(judged):  # the quality scorers' models define their scores
-            settings[flag] = getattr(args, flag)
+            settings[flag] = getattr(args.scoring, flag)
     protocol = f"cfg{args.guidance:g}_{args.num_steps}steps_{args.resolution}px_seed{args.seed}"
-    name = args.name or f"{what}__{args.reward.replace(' ', '+')}__{protocol}"
+    name = args.name or f"{what}__{reward.replace(' ', '+')}__{protocol}"
     out = Path(args.output_dir) / name
     try:
         (out / "images").mkdir(parents=True, exist_ok=True)
@@ -493,7 +476,7 @@ if __name__ == "__main__":
     if todo:
         try:
             if "vllm" in weights:  # its servers answer and serve the model before SD3.5 loads
-                make_judge("vllm", model_path=args.reward_model, urls=args.reward_urls)
+                make_judge("vllm", **scorer_options(args.scoring, device))
             pipe = load_pipeline(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
                                  text_encoder_device=args.text_encoder_device or None)
             if error := resolution_error(pipe, args.resolution):
@@ -501,12 +484,9 @@ if __name__ == "__main__":
             if lora:
                 load_lora(pipe.transformer, lora, rank, alpha,
                           f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--lora {args.lora}")
-            options = dict(device=args.reward_device or str(device), batch_size=args.batch_size,
-                           model_path=args.reward_model, urls=args.reward_urls,
-                           pickscore_model=args.pickscore_model, pickscore_processor=args.pickscore_processor,
-                           aesthetic_model=args.aesthetic_model, aesthetic_head_path=args.aesthetic_head or None)
+            options = {**scorer_options(args.scoring, device), "batch_size": args.batch_size}
             make = make_mix if mix else make_judge
-            scorer = ScoringThread(make(args.reward, **options))
+            scorer = ScoringThread(make(reward, **options))
             # a judge that fails to load, or later, is left out (GuardedJudge), not the others
             judges = [ScoringThread(judge) for judge in make_guarded_judges(judged, **options)]
             threads += [scorer, *judges]
@@ -595,8 +575,8 @@ if __name__ == "__main__":
 
     evaluated = [done[i] for i in range(len(prompts))]
     mean, stderr = mean_and_stderr([r["score"] for r in evaluated])
-    summary = {"name": name, "num_prompts": len(prompts), "reward": args.reward, "mean": mean, "stderr": stderr}
-    report = f"{args.reward} {mean:.4f} ± {stderr or 0:.4f}"
+    summary = {"name": name, "num_prompts": len(prompts), "reward": reward, "mean": mean, "stderr": stderr}
+    report = f"{reward} {mean:.4f} ± {stderr or 0:.4f}"
     if mix:  # each component's mean too
         summary["components"] = {}
         for component in weights:

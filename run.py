@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 from contextlib import nullcontext
-from dataclasses import asdict
 from pathlib import Path
 
 import google_crc32c
@@ -42,6 +41,7 @@ from ocr_reward import check_reward_model
 from reward_mix import parse_mix
 from rollout import SnapshotError, check_model_path, nonfinite_images, warn_cut_targets
 from scoring import reward_stats
+from settings import flat_settings
 
 
 WANDB_RUN_ID = "wandb_run_id"  # in the run directory: a resume continues the same W&B run
@@ -58,7 +58,7 @@ def start_tracking(args, run_dir, resumed):
     wandb.tensorboard.patch(root_logdir=str(run_dir))
     try:
         tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
-                              sync_tensorboard=True, config=vars(args), name=Path(run_dir).name,
+                              sync_tensorboard=True, config=flat_settings(args), name=Path(run_dir).name,
                               id=run_id, resume="allow")
     except wandb.errors.Error as error:  # no login, a refused key, no server: wandb's own words
         why = " ".join(str(error).split())
@@ -184,7 +184,7 @@ class Run:
         self.steps_when_saved = None  # the optimizer steps of the last completed iteration
         self.nonfinite_before = 0  # rollout.nonfinite_images() when the iteration began
         self.warned = {}  # {what: (where it was first, how often)} (warn)
-        self.reward_weights = parse_mix(args.reward)  # {name: weight}: one reward, or a mix
+        self.reward_weights = parse_mix(args.scoring.reward)  # {name: weight}: one reward, or a mix
         self.failed_judges = {}  # {judge: why}, of this start (Validation)
         self.validation_adapter = None  # the adapter Validation samples: checkpoints record it
         one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
@@ -214,8 +214,8 @@ class Run:
         check_model_path(args.model)
         scorers = scorers_of(args)
         if "qwen-vl" in scorers:
-            check_reward_model(args.reward_model)
-        check_judge_models(args, scorers)
+            check_reward_model(args.scoring.reward_model)
+        check_judge_models(args.scoring, scorers)
         if args.dry_run:  # how run.sh checks a run before it starts a reward server
             shape = model_shape(args.model)  # the run checks this once the model has loaded
             if shape and (error := memory_error(args, shape, self.dtype, self.device)):
@@ -242,7 +242,7 @@ class Run:
             if args.track:
                 self.tracking = start_tracking(args, self.dir, resumed=bool(state["iteration"]))
             self.writer = EventsFile(self.dir, purge)
-            table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+            table = "\n".join(f"|{k}|{v}|" for k, v in flat_settings(args).items())
             self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
             images = args.prompts_per_rank * args.group_size
             print(f"run {self.dir}: {self.world_size} rank(s) x {args.prompts_per_rank} prompts x "

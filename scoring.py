@@ -81,13 +81,15 @@ class ScoringThread:
         return scores, texts, time.perf_counter() - started
 
 
-def scorer_options(args, device):
-    """make_judge's options from the flags: where the reward models run and how they are found."""
-    return dict(device=args.reward_device or str(device), model_path=args.reward_model,
-                urls=args.reward_urls, timeout=args.reward_timeout, max_retries=args.reward_retries,
-                pickscore_model=args.pickscore_model, pickscore_processor=args.pickscore_processor,
-                aesthetic_model=args.aesthetic_model,
-                aesthetic_head_path=args.aesthetic_head or None)
+def scorer_options(scoring, device):
+    """make_judge's options from --reward's block (settings.ScoringArgs): where the reward models
+    run and how they are found."""
+    return dict(device=scoring.reward_device or str(device), model_path=scoring.reward_model,
+                urls=scoring.reward_urls, timeout=scoring.reward_timeout,
+                max_retries=scoring.reward_retries, pickscore_model=scoring.pickscore_model,
+                pickscore_processor=scoring.pickscore_processor,
+                aesthetic_model=scoring.aesthetic_model,
+                aesthetic_head_path=scoring.aesthetic_head or None)
 
 
 class TrainingScorer(ScoringThread):
@@ -97,13 +99,14 @@ class TrainingScorer(ScoringThread):
     --reward-aggregation gdpo) gives a column per component, and aggregate() makes them one."""
 
     def __init__(self, args, device, batch_size):
-        self.weights = parse_mix(args.reward)
+        reward = args.scoring.reward
+        self.weights = parse_mix(reward)
         self.aggregation = args.reward_aggregation
         self.group_size = args.group_size
-        self.mix = args.reward not in JUDGES or args.reward_aggregation != "sum"
-        options = {**scorer_options(args, device), "batch_size": batch_size}
+        self.mix = reward not in JUDGES or args.reward_aggregation != "sum"
+        options = {**scorer_options(args.scoring, device), "batch_size": batch_size}
         make = make_mix if self.mix else make_judge
-        scorer = make(args.reward, **options)
+        scorer = make(reward, **options)
         super().__init__(GuardedScorer(scorer))
 
     def aggregate(self, rewards):

@@ -44,12 +44,12 @@ class Validation:
         self.run = run
         self.prompts = [r["prompt"] for r in eval_set]
         self.targets = [r["target"] for r in eval_set]
-        self.weights = parse_mix(args.reward)
+        self.weights = parse_mix(args.scoring.reward)
         self.judges = []  # ScoringThreads of judges.GuardedJudges
         self.listed_judges = []  # as listed, failed ones too: the first is the summary's judge
         if run.main_process and args.eval_every:
             names = [name for name in judge_names(args.eval_judge) if name not in self.weights]
-            judges = make_guarded_judges(names, **scorer_options(args, run.device))
+            judges = make_guarded_judges(names, **scorer_options(args.scoring, run.device))
             self.listed_judges = names
             self.judges = [ScoringThread(judge) for judge in judges]
             self.drop_failed_judges("loading the models")

@@ -18,6 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from ocr_reward import compressibility, make_scorer
+from settings import ScoringArgs
 from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,7 +171,7 @@ def test_bad_input_gives_one_clear_line(extra, message, trained, rank_8_lora, ti
     (dict(max_sequence_length=0), "--max-sequence-length 0: must lie in [1, 512]"),
     (dict(seed=2**70), f"--seed {2**70}: must lie in [0, 2^62)"),
     (dict(device="meta"), "--device meta: evaluate.py runs on cpu or cuda devices"),
-    (dict(reward_device="mps"), "--reward-device mps: evaluate.py runs on cpu or cuda devices"),
+    (dict(scoring=ScoringArgs(reward_device="mps")), "--reward-device mps: evaluate.py runs on cpu or cuda devices"),
 ])
 def test_a_setting_out_of_its_range_is_named(flags, message):
     import evaluate

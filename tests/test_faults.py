@@ -21,6 +21,7 @@ import checkpoint
 import crd
 import evaluate
 import rollout
+from settings import ScoringArgs, flat_settings
 from test_trainers import ROOT
 
 # README's demo ("The two commands"): {flag: value}
@@ -307,7 +308,7 @@ def run_state(tmp_path, iteration):
     args = crd.Args(output_dir=str(tmp_path), num_iterations=2, train_batch_size=4)
     return {"iteration": iteration, "optimizer_steps": iteration, "eval": [[0, 0.5, None]],
             "iteration_s": [1.0] * iteration, "start_iterations": [1], "peak_mem_gib": {},
-            "sampler": {"epoch": 0, "position": 2}, "args": json.loads(json.dumps(vars(args))),
+            "sampler": {"epoch": 0, "position": 2}, "args": json.loads(json.dumps(flat_settings(args))),
             "world_size": 1, "algorithm": "crd"}
 
 
@@ -360,7 +361,7 @@ def test_a_last_iteration_that_cannot_be_saved_ends_with_a_summary_saying_why(
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] is False and summary["iterations"] == 2
     assert summary["stopped_by"] == (f"{before}; then {failure}" if before else failure)
-    assert summary["algorithm"] == "crd" and summary["reward"] == crd.Args.reward
+    assert summary["algorithm"] == "crd" and summary["reward"] == ScoringArgs.reward
 
 
 @pytest.mark.parametrize("umask, files, folders", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])

@@ -28,6 +28,7 @@ import rollout
 from data import GroupSampler
 from ocr_server import ocr_server
 from scoring import GuardedScorer
+from settings import ScoringArgs, flat_settings
 from test_trainers import DATA, ROOT, TINY_RUN, train
 
 
@@ -176,7 +177,7 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
     args = crd.Args(train_batch_size=6, output_dir=str(tmp_path), lora_rank=4, lora_alpha=4)
     state = {"iteration": 1, "optimizer_steps": 4, "sampler": {"epoch": 0, "position": 2}, "eval": [],
              "iteration_s": [1.0], "start_iterations": [1], "peak_mem_gib": {}, "world_size": 1,
-             "algorithm": "crd", "data_sha256": {}, "args": json.loads(json.dumps(vars(args)))}
+             "algorithm": "crd", "data_sha256": {}, "args": json.loads(json.dumps(flat_settings(args)))}
     (tmp_path / "run").mkdir()
     checkpoint.save_checkpoint(tmp_path / "run", 1, transformer, optimizer, state, keep_last=2)
     step = tmp_path / "run" / "global_step_1"
@@ -223,7 +224,7 @@ def saved_run(lora_transformer, tmp_path):
                     eval_data=str(tmp_path / "test.txt"), output_dir=str(tmp_path), run_name="run", dry_run=True)
     state = {"iteration": 1, "optimizer_steps": 1, "eval": [[0, 0.5, None], [1, float("nan"), None]],
              "iteration_s": [2.5], "start_iterations": [1], "peak_mem_gib": {"actor rank 0 cpu": 0.6},
-             "sampler": {"epoch": 0, "position": 2}, "args": json.loads(json.dumps(vars(args))), "world_size": 1,
+             "sampler": {"epoch": 0, "position": 2}, "args": json.loads(json.dumps(flat_settings(args))), "world_size": 1,
              "algorithm": "crd"}
     (tmp_path / "run").mkdir()
     return checkpoint.save_checkpoint(tmp_path / "run", 1, transformer, optimizer, state, keep_last=0), args
@@ -301,14 +302,14 @@ def test_adapters_without_an_adapter_name_or_of_another_rank_are_named(lora_tran
     save_file({**tensors, lora_b: torch.zeros(32, 8)}, path)
     named(re.escape(f"{lora_b} has the shape (32, 8), not a rank-4 LoRA's (trainer_state.json records lora_rank 4)"))
     save_file(tensors, path)
-    edit_state(step, args={**json.loads(json.dumps(vars(args))), "lora_rank": 8})  # the tensors are rank 4
+    edit_state(step, args={**json.loads(json.dumps(flat_settings(args))), "lora_rank": 8})  # the tensors are rank 4
     named(r"\S+\.lora_A\.weight has the shape \(4, 32\), not a rank-8 LoRA's "
           r"\(trainer_state.json records lora_rank 8\)", lora_rank=8)
 
 
 def test_a_checkpoint_without_its_lora_alpha_is_named_for_evaluate(lora_transformer, tmp_path):
     step, args = saved_run(lora_transformer, tmp_path)
-    saved = json.loads(json.dumps(vars(args)))
+    saved = json.loads(json.dumps(flat_settings(args)))
     del saved["lora_alpha"]
     edit_state(step, args=saved)
     with pytest.raises(checkpoint.RunError) as error:
@@ -550,19 +551,19 @@ def test_a_nonfinite_schedule_or_a_weight_float32_cannot_hold_stops_the_trainer(
     (crd, dict(lora_alpha=0), "--lora-alpha 0: must be at least 1"),
     (dgpo, dict(policy_timesteps_per_forward=0), "--policy-timesteps-per-forward 0: must be at least 1"),
     (crd, dict(max_nonfinite_steps=0), "--max-nonfinite-steps 0: must be at least 1"),
-    (dgpo, dict(reward_retries=-1), "--reward-retries -1: must be at least 0"),
+    (dgpo, dict(scoring=ScoringArgs(reward_retries=-1)), "--reward-retries -1: must be at least 0"),
     (crd, dict(max_sequence_length=1000), "--max-sequence-length 1000: SD3's T5 encoder takes at most 512 tokens"),
     (crd, dict(seed=2**24), "--seed 16777216: must be below 2^23 = 8388608"),
-    (dgpo, dict(reward="vllm", reward_urls=[]), "--reward-urls: the vllm reward or judge needs at least one server URL"),
+    (dgpo, dict(scoring=ScoringArgs(reward="vllm", reward_urls=[])), "--reward-urls: the vllm reward or judge needs at least one server URL"),
     (dgpo, dict(device="meta"), "--device meta: the trainers run on cpu or cuda devices"),
     (crd, dict(crd_beta=0.0), "--crd-beta 0: must be a finite number > 0"),
     (crd, dict(kl_cfg=float("nan")), "--kl-cfg nan: must be a finite number >= 1"),
     (crd, dict(kl_floor=0.5), "--kl-floor 0.5: must not exceed --kl-beta 0.1"),
     (dgpo, dict(beta_dpo=-1.0), "--beta-dpo -1: must be a finite number > 0"),
     (dgpo, dict(clip_range=-0.1), "--clip-range -0.1: must be a finite number >= 0"),
-    (crd, dict(reward="brightness flat=1e308"), "--reward: reward mix item 'flat=1e308': the "
+    (crd, dict(scoring=ScoringArgs(reward="brightness flat=1e308")), "--reward: reward mix item 'flat=1e308': the "
      "weight 1e+308 is outside float32's range"),
-    (dgpo, dict(reward="brightness=1e-50"), "--reward: reward mix item 'brightness=1e-50': the "
+    (dgpo, dict(scoring=ScoringArgs(reward="brightness=1e-50")), "--reward: reward mix item 'brightness=1e-50': the "
      "weight 1e-50 is outside float32's range"),
 ])
 def test_a_setting_out_of_its_range_is_named(trainer, flags, message):

@@ -6,6 +6,7 @@ the engine cannot serve is one line.
 Run: python -m pytest -q -n 0 tests/test_omni_runs.py
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -99,7 +100,7 @@ def test_a_resume_may_change_the_engine_and_a_checkpoint_before_the_flag_resumes
     crd.check_args(args)
     saved = {"args": json.loads(json.dumps(checkpoint.record_args(args))), "world_size": 1,
              "algorithm": "crd"}
-    engine_args = SimpleNamespace(**{**vars(args), "rollout_engine": "vllm-omni"})
+    engine_args = dataclasses.replace(args, rollout_engine="vllm-omni")
     assert checkpoint.resume_changes(saved, engine_args, 1, "crd") == \
         ([], ["rollout_engine diffusers -> vllm-omni"])
 

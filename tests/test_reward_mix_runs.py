@@ -7,6 +7,7 @@ loads. The mix and aggregation math: tests/test_reward_mix.py.
 Run: python -m pytest -q -n 0 tests/test_reward_mix_runs.py
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import crd
 import dgpo
 import evaluate
 import nft
+from settings import flat_settings
 from tensorboard_logs import scalars
 from test_trainers import DATA, ROOT, TINY_RUN, train
 
@@ -166,17 +168,17 @@ def test_a_checkpoint_from_before_the_added_settings_resumes_and_a_default_run_r
     its checkpoint reads as before (an older trainer resumes it too)."""
     args = crd.Args(train_batch_size=6)
     crd.check_args(args)
-    before = {k: v for k, v in vars(args).items() if k not in checkpoint.ADDED_SETTINGS}
+    before = {k: v for k, v in flat_settings(args).items() if k not in checkpoint.ADDED_SETTINGS}
     assert checkpoint.record_args(args) == before
     old = {"args": json.loads(json.dumps(before)), "world_size": 1, "algorithm": "crd"}  # as read
     assert checkpoint.resume_changes(old, args, 1, "crd") == ([], [])
-    gdpo_args = SimpleNamespace(**{**vars(args), "reward_aggregation": "gdpo"})
+    gdpo_args = dataclasses.replace(args, reward_aggregation="gdpo")
     assert checkpoint.resume_changes(old, gdpo_args, 1, "crd")[0] == ["reward_aggregation sum -> gdpo"]
     for trainer in (crd, dgpo, nft):  # their defaults are the values before
-        assert {k: getattr(trainer.Args(), k) for k in checkpoint.ADDED_SETTINGS} == \
+        assert {k: flat_settings(trainer.Args())[k] for k in checkpoint.ADDED_SETTINGS} == \
             checkpoint.ADDED_SETTINGS
     judge_models = {k: v for k, v in checkpoint.ADDED_SETTINGS.items() if k in checkpoint.JUDGE_MODELS}
-    assert {k: getattr(evaluate.Args(), k) for k in judge_models} == judge_models
+    assert {k: getattr(evaluate.Args().scoring, k) for k in judge_models} == judge_models
 
 
 @pytest.mark.parametrize("extra, message", [
