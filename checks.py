@@ -5,11 +5,14 @@ cannot be read while the models load (loading_errors_as_one_line)."""
 
 import importlib
 import math
+import os
 import sys
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from data import DataError
 from judges import judge_names
@@ -163,6 +166,28 @@ def check_devices(args, runs_on):
             fail(f"{option} {name}: {runs_on} on cpu or cuda devices")
         if name.startswith("cuda") and (index or 0) >= torch.cuda.device_count():
             fail(f"{option} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def errors_end_in_one_line(line_of, keep):
+    """From now on, an uncaught exception that `line_of` names (it returns (what stopped the
+    program, what to do or None), else None) ends the program with one line on stderr,
+    `{script}: error: {what}: {to do}; {keep(what)}`, keep saving what it can and saying what is
+    kept. Any other exception keeps its traceback."""
+    excepthook = sys.excepthook
+
+    def hook(kind, error, trace):
+        line = line_of(error)
+        if line is None:
+            return excepthook(kind, error, trace)
+        traceback.clear_frames(trace)  # a failed step's tensors go
+        stopped_by, remedy = line
+        kept = keep(stopped_by)
+        told = f"{stopped_by}: {remedy}" if remedy else stopped_by
+        print(f"{Path(sys.argv[0]).name}: error: {told}; {kept}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            os._exit(1)  # the other ranks wait in a collective: torchrun ends them
+
+    sys.excepthook = hook
 
 
 @contextmanager

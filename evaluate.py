@@ -37,10 +37,10 @@ from PIL import Image
 from tqdm import tqdm
 
 from checkpoint import RunError, read_adapters
-from checks import check_devices, check_judge_models, check_scoring_args, fail
+from checks import check_devices, check_judge_models, check_scoring_args, errors_end_in_one_line, fail
 from data import DataError, load_prompts
 from judges import JUDGES, judge_names, make_guarded_judges, make_judge
-from memory import one_line_on_out_of_memory, out_of_memory
+from memory import out_of_memory, out_of_memory_line
 from ocr_reward import ServerError
 from reward_mix import make_mix, parse_mix
 from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
@@ -104,7 +104,7 @@ class Args:
     """T5 prompt tokens"""
 
     # Scoring
-    scoring: Annotated[ScoringArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ScoringArgs)
+    scoring: ScoringArgs = field(default_factory=ScoringArgs)
     """--reward (the trainers' flags: one reward or a weighted mix) and its models and servers"""
     judge: Annotated[str, WORDS, tyro.conf.arg(metavar="NAME ...")] = "paddle"
     """judges beside --reward, as its names: paddle (PP-OCR, independent of the trained reward), pickscore, aesthetic,
@@ -470,7 +470,8 @@ if __name__ == "__main__":
         return f"{len(done)} of {len(prompts)} prompts are scored in {results_path}; the same command continues"
 
     phase = "loading the models"  # what an out-of-memory error names
-    one_line_on_out_of_memory(device, lambda: phase, MEMORY_FLAGS, keep_scored)
+    errors_end_in_one_line(lambda error: out_of_memory_line(error, lambda: phase, device, MEMORY_FLAGS),
+                           keep_scored)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     if todo:
@@ -493,7 +494,7 @@ if __name__ == "__main__":
             report_failed_judges()  # those that did not load
         except (OSError, RuntimeError, ValueError, KeyError) as error:
             if out_of_memory(error):
-                raise  # one_line_on_out_of_memory's line
+                raise  # errors_end_in_one_line tells it
             fail(str(error).splitlines()[0] if str(error) else repr(error))
         if args.compile and device.type == "cuda":
             compile_blocks(pipe.transformer)

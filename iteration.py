@@ -56,13 +56,14 @@ class TrainingRows:
 class GuardedStep:
     """The optimizer step of a micro batch: gradients averaged over ranks and clipped; a non-finite
     gradient norm skips the step (counted and printed; the run stops after --max-nonfinite-steps in
-    a row). Gradients are zeroed either way."""
+    a row). Gradients are zeroed either way. `steps` counts the steps taken, a resumed run's too."""
 
     def __init__(self, optimizer, params, args, world_size):
         self.optimizer = optimizer
         self.params = params
         self.args = args
         self.world_size = world_size
+        self.steps = 0  # Run.start sets a resumed run's
         self.nonfinite_streak = 0
         self.iteration = None
         self.grad_norms = []
@@ -79,6 +80,7 @@ class GuardedStep:
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
+            self.steps += 1
             self.nonfinite_streak = 0
         else:
             self.nonfinite_streak += 1

@@ -1,18 +1,15 @@
 """Memory: about what one iteration holds at its peak, held against the memory there is before the
 run starts (memory_error; a dry run reads the model's shape from its config files, model_shape),
-and a failed allocation told in one line that names the phase and the flags that lower it
-(one_line_on_out_of_memory)."""
+and the line that tells a failed allocation, naming the phase and the flags that lower it
+(out_of_memory_line)."""
 
 import json
 import os
 import resource
-import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
 from rollout import (RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory, cache_root,
                      load_pipeline)
@@ -121,24 +118,12 @@ def memory_in_use(device):
     return f"{peak:.1f} GiB peak resident memory on the CPU"
 
 
-def one_line_on_out_of_memory(device, phase, remedy, keep):
-    """From now on, an allocation that fails ends the program with one line on stderr:
-    `{script}: error: out of memory in {phase()} ({memory in use}): {remedy}; {keep(stopped_by)}`,
-    keep saving what it can and saying what is kept. Any other exception keeps its traceback."""
-    excepthook = sys.excepthook
-
-    def hook(kind, error, trace):
-        if not out_of_memory(error):
-            return excepthook(kind, error, trace)
-        traceback.clear_frames(trace)  # the failed step's tensors go
-        stopped_by = f"out of memory in {phase()} ({memory_in_use(device)})"
-        kept = keep(stopped_by)
-        print(f"{Path(sys.argv[0]).name}: error: {stopped_by}: {remedy}; {kept}", file=sys.stderr,
-              flush=True)
-        if dist.is_initialized():
-            os._exit(1)  # the other ranks wait in a collective: torchrun ends them
-
-    sys.excepthook = hook
+def out_of_memory_line(error, phase, device, remedy):
+    """(what stopped the program, what to do) of a failed allocation in `phase()` on `device`, the
+    flags `remedy` lowering it (checks.errors_end_in_one_line tells it); None for other errors."""
+    if not out_of_memory(error):
+        return None
+    return f"out of memory in {phase()} ({memory_in_use(device)})", remedy
 
 
 TRAINER_MEMORY_FLAGS = ("lower --forward-batch-size or --policy-timesteps-per-forward, or add "

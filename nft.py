@@ -94,8 +94,8 @@ class Args:
     """torch.compile the transformer blocks and the VAE decoder on CUDA"""
 
     # Reward
-    scoring: Annotated[ScoringArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ScoringArgs)
-    """what scores the images: --reward, and where the rewards' and judges' models and servers are"""
+    scoring: ScoringArgs = field(default_factory=ScoringArgs)
+    """what scores the images: --reward, and where its and the judges' models and servers are"""
     reward_aggregation: Literal["sum", "gdpo"] = "sum"
     """a mix's advantages: of its weighted sum (sum), or of the weighted sum of its rewards each
     standardised within its prompt group (gdpo, where the weights alone count)"""
@@ -320,12 +320,12 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=args.adam_betas,
                                   weight_decay=args.weight_decay, eps=args.adam_eps)
     optimizer_step = GuardedStep(optimizer, params, args, run.world_size)
-    state = run.start(transformer, optimizer, sampler, pipe)  # a new run's state, or the resumed
+    run.start(transformer, optimizer_step, sampler, pipe)  # a new run's state, or the resumed
     engine.start(pipe, run.dtype)  # vllm-omni: loads the model, checks that an adapter binds
 
-    if validation.due(0) and not state["eval"]:
-        state["eval"].append(validation(0))
-    for iteration in run.iterations(state, compiler):
+    if validation.due(0):
+        validation(0)
+    for iteration in run.iterations(compiler):
         timer = run.timer()
         # ROLLOUT: whole prompt groups, deterministic ODE, CFG 1
         indices = sampler.next_indices()
@@ -381,11 +381,10 @@ if __name__ == "__main__":
                 for key, value in {"loss": loss.detach(), **info}.items():
                     losses[key] = losses.get(key, 0.0) + value * chunk_weight
             if optimizer_step(iteration):  # averaged over ranks, clipped; non-finite: skipped
-                state["optimizer_steps"] += 1
-                decays |= snapshots_after_step(transformer, args, state["optimizer_steps"])
+                decays |= snapshots_after_step(transformer, args, optimizer_step.steps)
         if optimizer_step.stepped_this_iteration:  # skipped steps move no snapshot
             decays |= snapshots_after_iteration(transformer, args, iteration + 1,
-                                                state["optimizer_steps"])
+                                                optimizer_step.steps)
         run.average(list(losses.values()))  # the losses of every rank's groups
         timer.lap("train_s")
 
@@ -394,10 +393,10 @@ if __name__ == "__main__":
         logged = {**optimizer_step.stats(), **{f"losses/{k}": v / steps for k, v in losses.items()},
                   **{f"charts/decay_{k}": v for k, v in decays.items()},
                   **timer.perf(run.world_size * images_per_rank, scorer.seconds)}
-        run.end_iteration(iteration + 1, sampler, rewards, logged)
+        run.end_iteration(iteration + 1, sampler, rewards, logged)  # train/reward_mean, ...
         if validation.due(iteration + 1):
-            state["eval"].append(validation(iteration + 1))
-        if run.agreed_stop(iteration + 1, optimizer_step, scorer):
+            validation(iteration + 1)
+        if run.agreed_stop(scorer):
             break
         run.save_if_due()
 

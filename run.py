@@ -1,14 +1,18 @@
 """One start of a training run on this rank (Run): the ranks and device, the run directory
-(locked by the main process) and its resume, stop signals, the state that checkpoints hold,
-TensorBoard (and Weights & Biases with --track), the progress bar, the stop that every rank agrees
-on, checkpoints, summary.json and the exit status.
+(locked by the main process) and its resume, stop signals, the state that checkpoints hold (Run
+alone writes it), TensorBoard (and Weights & Biases with --track), the progress bar, the stop that
+every rank agrees on, checkpoints, summary.json and the exit status.
 
     run = Run(args, "crd")                      # ranks, run directory and its lock, stop signals
     compiler = Compiler(args, run.device, run.world_size)   # before the models load
     compiler.compile(pipe)
-    state = run.start(transformer, optimizer, sampler, pipe)  # a new run's state, or the resumed
-    for iteration in run.iterations(state, compiler):
+    run.start(transformer, optimizer_step, sampler, pipe)  # a new run's state, or the resumed
+    for iteration in run.iterations(compiler):
         ...
+        run.end_iteration(iteration + 1, sampler, rewards, logged)  # the state, TensorBoard
+        if run.agreed_stop(scorer):
+            break
+        run.save_if_due()
     run.finish()                                # summary.json and the exit status
 """
 
@@ -30,13 +34,12 @@ from checkpoint import (EVAL_SCORES, GracefulStop, RunComplete, RunError, actor_
                         checkpoints, prepare_run, prompt_files_sha256,
                         remove_unused_run_directories, save_checkpoint, save_last_iteration,
                         start_state, summary_of_state)
-from checks import check_judge_models, fail, scorers_of
+from checks import check_judge_models, errors_end_in_one_line, fail, scorers_of
 from data import load_train_and_eval_prompts
 from distributed import (actor_device, agreed_stop, all_mean_, gather, leave_process_group,
                          settings_mismatch, shared_settings, signalled_ranks)
 from iteration import PhaseTimer
-from memory import (TRAINER_MEMORY_FLAGS, memory_error, model_shape,
-                    one_line_on_out_of_memory)
+from memory import TRAINER_MEMORY_FLAGS, memory_error, model_shape, out_of_memory_line
 from ocr_reward import check_reward_model
 from reward_mix import parse_mix
 from rollout import SnapshotError, check_model_path, nonfinite_images, warn_cut_targets
@@ -187,9 +190,7 @@ class Run:
         self.reward_weights = parse_mix(args.scoring.reward)  # {name: weight}: one reward, or a mix
         self.failed_judges = {}  # {judge: why}, of this start (Validation)
         self.validation_adapter = None  # the adapter Validation samples: checkpoints record it
-        one_line_on_out_of_memory(self.device, self.current_phase, TRAINER_MEMORY_FLAGS,
-                                  self.keep_after_error)
-        self.stop_on_run_errors()
+        errors_end_in_one_line(self.error_line, self.keep_after_error)
 
     def check_same_settings(self):
         """Every rank's shared_settings against rank 0's: where any differs, every rank prints the
@@ -225,10 +226,12 @@ class Run:
             sys.exit(0)
         return train_set, eval_set
 
-    def start(self, transformer, optimizer, sampler, pipe):
-        """The run's state: a new run's, or --resume-from's (adapters, optimizer and sampler
-        restored too); opens TensorBoard on the main process."""
+    def start(self, transformer, optimizer_step, sampler, pipe):
+        """The run's state, which Run alone writes: a new run's, or --resume-from's (the adapters,
+        the optimizer, its step count and the sampler restored too); opens TensorBoard on the main
+        process."""
         args = self.args
+        optimizer = optimizer_step.optimizer
         if error := memory_error(args, pipe, self.dtype, self.device):  # before minutes of work
             fail(error)
         try:
@@ -254,13 +257,15 @@ class Run:
         self.state = state
         self.transformer = transformer
         self.optimizer = optimizer
+        self.optimizer_step = optimizer_step
+        optimizer_step.steps = state["optimizer_steps"]
         self.steps_when_saved = state["optimizer_steps"]
         self.phase = None
-        return state
 
-    def iterations(self, state, compiler):
+    def iterations(self, compiler):
         """The iterations left (a progress bar on the main process); the compile workers are waited
         for before the first, and the compile cache saved after it."""
+        state = self.state
         compiler.wait()
         remaining = range(state["iteration"], self.args.num_iterations)
         self.bar = tqdm(remaining, initial=state["iteration"], total=self.args.num_iterations,
@@ -295,12 +300,15 @@ class Run:
         return True
 
     def end_iteration(self, iterations, sampler, rewards, logged):
-        """The state after `iterations` iterations (a resume from here draws what follows), and the
-        scalars `logged` with the rewards' in TensorBoard and the progress bar."""
-        self.state.update(iteration=iterations, sampler=sampler.state_dict())
+        """The state after `iterations` iterations (a resume from here draws what follows), and in
+        TensorBoard and the progress bar: the scalars `logged`, the rewards' train/reward_mean and
+        the like (scoring.reward_stats), and the peak memory of every rank so far."""
+        steps = self.optimizer_step.steps
+        self.state.update(iteration=iterations, sampler=sampler.state_dict(), optimizer_steps=steps)
         self.state["iteration_s"].append(logged["perf/iteration_s"])
-        self.steps_when_saved = self.state["optimizer_steps"]
+        self.steps_when_saved = steps
         self.iteration_timer = None
+        peaks = self.record_peak_memory()  # so far: an earlier validation's too
         if bad := nonfinite_images() - self.nonfinite_before:
             images = self.args.prompts_per_rank * self.args.group_size
             self.warn("rollout images were NaN or inf", f"iteration {iterations}",
@@ -308,7 +316,8 @@ class Run:
                       "decode black and are scored as black images")
         if not self.main_process:
             return
-        logged = {**reward_stats(rewards, self.args.group_size, self.reward_weights), **logged}
+        logged = {**reward_stats(rewards, self.args.group_size, self.reward_weights), **logged,
+                  "perf/peak_mem_gib": max(peaks.values())}
         if float(logged["train/zero_std_group_frac"]) == 1:
             self.warn("every prompt group's reward had std 0", f"iteration {iterations}",
                       f"every prompt group's images got the same reward (std 0 in all "
@@ -320,21 +329,27 @@ class Run:
                              loss=f"{float(logged['losses/loss']):.4f}",
                              s=f"{logged['perf/iteration_s']:.1f}")
 
-    def agreed_stop(self, iterations, optimizer_step, scorer):
-        """Whether every rank stops now: a signal to any rank, too many non-finite gradients in a
-        row, or a failed scorer (a collective). Records the peak memory of every rank first, and
-        which ranks a stop signal reached."""
-        peaks = actor_peak_memory(self.device, self.world_size)  # after validation: it may peak
+    def record_validation(self, entry):
+        """A validation's summary entry (Validation), kept in the state that checkpoints hold."""
+        self.state["eval"].append(entry)
+
+    def record_peak_memory(self):
+        """{"actor rank r <device>": GiB}, the peak memory of every rank so far, kept in the state
+        as each one's largest (a collective: every rank calls it)."""
+        peaks = actor_peak_memory(self.device, self.world_size)
         state_peaks = self.state["peak_mem_gib"]
         self.state["peak_mem_gib"] = {k: max(v, state_peaks.get(k, 0.0)) for k, v in peaks.items()}
+        return peaks
+
+    def agreed_stop(self, scorer):
+        """Whether every rank stops now: a signal to any rank, too many non-finite gradients in a
+        row, or a failed scorer (a collective); records which ranks a stop signal reached."""
         signum = self.signals.signum
         self.stop_signal, self.stopped_by = agreed_stop(
-            signum, optimizer_step.nonfinite_streak, self.args.max_nonfinite_steps,
+            signum, self.optimizer_step.nonfinite_streak, self.args.max_nonfinite_steps,
             scorer.failure, self.device, self.world_size)  # the scorer may fail in validation
         if self.stop_signal and self.world_size > 1:
             self.signalled = signalled_ranks(signum, self.world_size)
-        if self.main_process:
-            self.writer.add_scalar("perf/peak_mem_gib", max(peaks.values()), iterations)
         return bool(self.stopped_by)
 
     def warn(self, what, where, message):
@@ -355,21 +370,12 @@ class Run:
             save_last_iteration(self.dir, self.state, self.transformer, self.optimizer,
                                 self.args.keep_last)
 
-    def stop_on_run_errors(self):
-        """From now on, an EventsFileError (a full disk) or a SnapshotError (a schedule's NaN) ends
-        the program with one line saying what is kept (keep_after_error)."""
-        excepthook = sys.excepthook
-
-        def hook(kind, error, trace):
-            if not isinstance(error, (EventsFileError, SnapshotError)):
-                return excepthook(kind, error, trace)
-            kept = self.keep_after_error(str(error))
-            print(f"{Path(sys.argv[0]).name}: error: {error}; {kept}", file=sys.stderr,
-                  flush=True)
-            if dist.is_initialized():
-                os._exit(1)  # the other ranks wait in a collective: torchrun ends them
-
-        sys.excepthook = hook
+    def error_line(self, error):
+        """What ends the run in one line (checks.errors_end_in_one_line), with what to do: a failed
+        allocation, an EventsFileError (a full disk) or a SnapshotError (a schedule's NaN)."""
+        if isinstance(error, (EventsFileError, SnapshotError)):
+            return str(error), None
+        return out_of_memory_line(error, self.current_phase, self.device, TRAINER_MEMORY_FLAGS)
 
     def keep_after_error(self, stopped_by):
         """After a failed allocation, events file or snapshot: the last completed iteration is
@@ -380,7 +386,7 @@ class Run:
         latest = (checkpoints(self.dir)[-1:] or [None])[0]
         kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
         if self.main_process and state and state["iteration"]:
-            if state["optimizer_steps"] == self.steps_when_saved:
+            if self.optimizer_step.steps == self.steps_when_saved:
                 try:
                     saved = save_checkpoint(self.dir, state["iteration"], self.transformer,
                                             self.optimizer, state, self.args.keep_last)
@@ -414,6 +420,7 @@ class Run:
     def finish(self):
         """A stopped run keeps its last completed iteration; summary.json; exit with the status."""
         state = self.state
+        self.record_peak_memory()  # the last validation's too
         rank = f"rank {self.rank}: " if self.world_size > 1 else ""
         for what, (first, count) in self.warned.items():
             print(f"{rank}warning: {what} {count} time(s), first in {first}", flush=True)

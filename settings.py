@@ -4,8 +4,7 @@ checkpoints, the ranks' agreement and W&B name them.
 
     @dataclass
     class Args:
-        scoring: Annotated[ScoringArgs, tyro.conf.OmitArgPrefixes] = field(
-            default_factory=ScoringArgs)  # --reward, --reward-model, ... unprefixed
+        scoring: ScoringArgs = field(default_factory=ScoringArgs)  # --reward, --reward-model, ...
 """
 
 from dataclasses import dataclass, field, is_dataclass
@@ -22,6 +21,7 @@ WORDS = tyro.constructors.PrimitiveConstructorSpec(
     is_instance=lambda value: isinstance(value, str), str_from_instance=str.split)
 
 
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # its flags are --reward, not --scoring.reward
 @dataclass
 class ScoringArgs:
     """What scores the images: the reward (or a mix of rewards), and where its models and servers

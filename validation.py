@@ -55,14 +55,18 @@ class Validation:
             self.drop_failed_judges("loading the models")
 
     def due(self, iteration):
-        """Whether this process validates after `iteration` iterations (0: before training)."""
+        """Whether this process validates after `iteration` iterations (0: before training, which
+        a resumed run has done)."""
         every = self.args.eval_every
         last = iteration == self.args.num_iterations
-        return bool(self.run.main_process and every and (iteration % every == 0 or last))
+        started = iteration or not self.run.state["iteration"]
+        return bool(self.run.main_process and every and started and
+                    (iteration % every == 0 or last))
 
     def __call__(self, iteration):
-        """Validate; returns the summary's entry [iteration, reward mean, the first judge's mean or
-        None], and {judge: mean} after them unless the judges are PP-OCR's alone (or none)."""
+        """Validate, and keep the summary's entry in the run's state (Run.record_validation):
+        [iteration, reward mean, the first judge's mean or None], and {judge: mean} after them
+        unless the judges are PP-OCR's alone (or none)."""
         args = self.args
         writer = self.run.writer
         started = time.perf_counter()
@@ -113,7 +117,8 @@ class Validation:
         means = {name: float(np.mean(judge_scores)) for name, (judge_scores, _) in judged.items()}
         first = self.listed_judges[0] if self.listed_judges else None
         entry = [iteration, float(np.mean(scores)), means.get(first)]
-        return entry + [means] if means and self.listed_judges != ["paddle"] else entry
+        self.run.record_validation(entry + [means] if means and self.listed_judges != ["paddle"]
+                                   else entry)
 
     def save_scores(self, iteration, scores, judged):
         """One line of EVAL_SCORES: every held-out prompt's reward and judge scores in the eval

@@ -107,7 +107,9 @@ def test_summary_matches_the_tensorboard_scalars(three_iterations):
     assert summary["best_eval_iteration"] == best and summary["best_eval_reward"] == pytest.approx(rewards[best], rel=1e-6)
     assert summary["initial_eval_judge"] is None and summary["final_eval_judge"] is None  # --eval-judge none
     assert list(summary["peak_mem_gib"]) == ["actor rank 0 cpu"]
-    assert summary["peak_mem_gib"]["actor rank 0 cpu"] == pytest.approx(max(scalars(run, "perf/peak_mem_gib").values()), rel=1e-6)
+    peaks = scalars(run, "perf/peak_mem_gib")  # each iteration's: the peak so far
+    assert list(peaks) == [1, 2, 3] and list(peaks.values()) == sorted(peaks.values())
+    assert summary["peak_mem_gib"]["actor rank 0 cpu"] >= max(peaks.values())  # the last validation's too
 
 
 def test_each_validation_keeps_every_prompts_score_in_the_eval_sets_order(three_iterations):
