@@ -323,7 +323,7 @@ if __name__ == "__main__":
     run.start(transformer, optimizer_step, sampler, pipe)  # a new run's state, or the resumed
     engine.start(pipe, run.dtype)  # vllm-omni: loads the model, checks that an adapter binds
 
-    if validation.due(0):
+    if validation.due(0):  # before training
         validation(0)
     for iteration in run.iterations(compiler):
         timer = run.timer()
@@ -393,7 +393,7 @@ if __name__ == "__main__":
         logged = {**optimizer_step.stats(), **{f"losses/{k}": v / steps for k, v in losses.items()},
                   **{f"charts/decay_{k}": v for k, v in decays.items()},
                   **timer.perf(run.world_size * images_per_rank, scorer.seconds)}
-        run.end_iteration(iteration + 1, sampler, rewards, logged)  # train/reward_mean, ...
+        run.end_iteration(iteration + 1, sampler, rewards, logged)  # + train/reward_mean, std, ...
         if validation.due(iteration + 1):
             validation(iteration + 1)
         if run.agreed_stop(scorer):
