@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import checkpoint
 import crd
+from settings import ScoringArgs
 from test_trainers import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +66,7 @@ def test_an_exp_name_outside_the_output_dir_stops_the_trainer_in_one_line(tmp_pa
 
 def test_default_names_of_starts_in_the_same_second_differ(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.time, "time", lambda: 1700000000.5)
-    args = {"output_dir": str(tmp_path), "exp_name": "crd", "reward": "ocr", "seed": 3}
+    args = {"output_dir": str(tmp_path), "exp_name": "crd", "scoring": ScoringArgs(reward="ocr"), "seed": 3}
     taken = tmp_path / "crd__ocr__3__1700000000"
     taken.mkdir()
     (taken / "events.out.tfevents.1").write_text("")
