@@ -36,8 +36,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from judges import AESTHETIC_CLIP, PICKSCORE_MODEL, PICKSCORE_PROCESSOR
+from lora_adapters import export_lora, load_lora_state_dict, lora_state_dict
 from reward_mix import parse_mix
-from rollout import export_lora, load_lora_state_dict, lora_state_dict
 from settings import flat_settings
 
 ADAPTERS = ("policy", "old", "sampling")

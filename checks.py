@@ -18,7 +18,7 @@ from data import DataError
 from judges import judge_names
 from memory import out_of_memory
 from reward_mix import normalize_reward_specs, parse_mix
-from rollout import check_model_path
+from sd3 import check_model_path
 from settings import flat_settings
 
 

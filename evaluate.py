@@ -40,13 +40,13 @@ from checkpoint import RunError, read_adapters
 from checks import check_devices, check_judge_models, check_scoring_args, errors_end_in_one_line, fail
 from data import DataError, load_prompts
 from judges import JUDGES, judge_names, make_guarded_judges, make_judge
+from lora_adapters import add_lora_adapters, load_lora_state_dict
 from memory import out_of_memory, out_of_memory_line
 from ocr_reward import ServerError
 from reward_mix import make_mix, parse_mix
-from rollout import (add_lora_adapters, captioned_grid, check_model_path, compile_blocks, compile_decoder,
-                     encode_prompts, load_lora_state_dict, load_pipeline, negative_embeddings, resolution_error,
-                     sample)
+from rollout import captioned_grid, compile_blocks, compile_decoder, sample
 from scoring import ScoringThread, image_rewards, scorer_options
+from sd3 import check_model_path, encode_prompts, load_pipeline, negative_embeddings, resolution_error
 from settings import WORDS, ScoringArgs
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-3.5-medium"

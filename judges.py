@@ -42,7 +42,7 @@ class ClipModel:
         import torch
         from transformers import CLIPImageProcessorPil, CLIPModel, CLIPTokenizer
 
-        from rollout import check_model_path
+        from sd3 import check_model_path
 
         check_model_path(model_path, what, "config.json", "a transformers model")
         check_model_path(processor_path, f"{what}'s processor", "preprocessor_config.json",

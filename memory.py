@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rollout import (RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory, cache_root,
-                     load_pipeline)
+from sd3 import RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory, cache_root, load_pipeline
 
 
 # Values a transformer block keeps per token and hidden unit for its backward: 34 bytes at 16 bits

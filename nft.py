@@ -30,11 +30,11 @@ from checks import check_numbers, check_shared_args, fail, loading_errors_as_one
 from compiling import Compiler
 from data import GroupSampler
 from iteration import GuardedStep, TrainingRows, image_seed
+from lora_adapters import add_lora_adapters, ema_update_, lora_parameters, use_adapter
 from omni_rollout import RolloutEngine
-from rollout import (add_lora_adapters, ema_update_, encode_prompts, load_pipeline, lora_parameters,
-                     negative_embeddings, use_adapter)
 from run import Run
 from scoring import training_scorer
+from sd3 import encode_prompts, load_pipeline, negative_embeddings
 from settings import WORDS, ScoringArgs
 from validation import Validation
 

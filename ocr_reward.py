@@ -171,9 +171,9 @@ class PaddleScorer:
 
 def check_reward_model(model_path: str) -> None:
     """A RuntimeError naming --reward-model when it is meant as a local directory and holds no
-    transformers model (rollout.check_model_path's rule); transformers would call it a malformed
+    transformers model (sd3.check_model_path's rule); transformers would call it a malformed
     repo id."""
-    from rollout import check_model_path
+    from sd3 import check_model_path
 
     check_model_path(model_path, "--reward-model", "config.json", "a transformers model")
 

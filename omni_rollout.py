@@ -15,7 +15,7 @@ One request per rollout carries it all: the distinct prompt embeddings (and the 
 for CFG), the initial latents (B, C, h, w) float32, the schedule's UNSHIFTED sigmas (vLLM-Omni's
 pipelines hand them to the scheduler, which applies the shift; ours checks them and takes its grid
 from rollout.euler_schedule), the seeds, and the active adapter as a PEFT directory
-(rollout.export_lora) under a new adapter id, since the engine does not reload an id it has.
+(lora_adapters.export_lora) under a new adapter id, since the engine does not reload an id it has.
 
 RolloutEngine is what the trainers' loop samples with: rollout.sample (--rollout-engine diffusers)
 or this engine's call (vllm-omni).
@@ -38,8 +38,10 @@ from pathlib import Path
 
 import torch
 
-import rollout
 from checks import loading_errors_as_one_line
+import lora_adapters
+import rollout
+import sd3
 
 FLAG = "--rollout-engine vllm-omni"
 PIPELINE_CLASS = "omni_rollout.EulerRolloutPipeline"  # made by __getattr__, in the engine's worker
@@ -67,18 +69,18 @@ def check_engine(world_size: int, device, model: str | None = None) -> None:
     if importlib.util.find_spec("vllm_omni") is None:
         raise RuntimeError(f"{FLAG}: vllm-omni is not installed (pip install -r "
                            "requirements-vllm.txt on a GPU machine), or use the diffusers engine")
-    if model == rollout.RANDOM_MEDIUM:
+    if model == sd3.RANDOM_MEDIUM:
         engine_model_path(model)  # its line: the engine loads files
 
 
 def engine_model_path(model: str) -> str:
     """What vLLM-Omni loads for the trainer's --model, the same weights as the trainer's pipeline:
     the diffusers folder (absolute) or the hub id. RANDOM_MEDIUM has no files: a RuntimeError."""
-    if model == rollout.RANDOM_MEDIUM:
+    if model == sd3.RANDOM_MEDIUM:
         raise RuntimeError(f"{FLAG} loads the model from files; --model {model} is built in memory "
                            "(save its pipeline with save_pretrained and pass that folder)")
-    if model == rollout.TINY:
-        return str(rollout._tiny_model_dir(None))
+    if model == sd3.TINY:
+        return str(sd3._tiny_model_dir(None))
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else model  # the engine's processes resolve it
 
@@ -86,7 +88,7 @@ def engine_model_path(model: str) -> str:
 class OmniRollout:
     """One vLLM-Omni engine on the actor GPU, made once; `sample` is rollout.sample through it.
 
-    `pipe` is the trainer's pipeline with its LoRA adapters (rollout.add_lora_adapters): its
+    `pipe` is the trainer's pipeline with its LoRA adapters (lora_adapters.add_lora_adapters): its
     scheduler makes the grid, its VAE decodes, and the adapter its LoRA layers run (use_adapter)
     goes to the engine before each rollout. At the start a non-zero LoRA must change the engine's
     output, else a RuntimeError line says the adapter bound no module. `engine_kwargs` go to
@@ -134,13 +136,13 @@ class OmniRollout:
         if on_decoded is not None and not decode:
             raise ValueError("on_decoded needs decode=True")
         if guidance_scale > 1 and negative_embeds is None:
-            negative_embeds, negative_pooled = rollout.negative_embeddings(
+            negative_embeds, negative_pooled = sd3.negative_embeddings(
                 pipe, prompt_embeds.shape[1] - pipe.tokenizer_max_length)
         timesteps, sigmas = rollout.euler_schedule(pipe.scheduler, num_steps)
         shape = rollout.latent_shape(pipe, height, width)
         latents = rollout.initial_latents(seeds, shape, "cpu", torch.float32)
         transformer = pipe.transformer
-        lora = self._adapter_request(transformer, rollout.active_adapter(transformer))
+        lora = self._adapter_request(transformer, lora_adapters.active_adapter(transformer))
         prompt, params = self.request(pipe.scheduler, prompt_embeds, pooled, seeds, latents,
                                       num_steps, guidance_scale, height, width, max_batch_size,
                                       negative_embeds, negative_pooled, lora)
@@ -205,9 +207,9 @@ class OmniRollout:
         adapter_id = next(self.adapter_ids)
         path = self.adapter_dir / f"{name}-{adapter_id}"
         if state is None:
-            rollout.export_lora(transformer, name, path, format="peft")
+            lora_adapters.export_lora(transformer, name, path, format="peft")
         else:
-            rollout.save_peft_lora(state, transformer.peft_config[name], path)
+            lora_adapters.save_peft_lora(state, transformer.peft_config[name], path)
         self.last_adapter = (name, adapter_id)
         return LoRARequest(lora_name=path.name, lora_int_id=adapter_id, lora_path=str(path))
 
@@ -225,11 +227,11 @@ class OmniRollout:
         silently and sampled the base model (verl-omni#552, vllm-omni#7190); 0.30 raises on an
         incomplete binding, which becomes the same line. One image of the empty prompt."""
         transformer = pipe.transformer
-        name = next(n for n in transformer.peft_config if n != rollout.SLOT)
+        name = next(n for n in transformer.peft_config if n != lora_adapters.SLOT)
         generator = torch.Generator().manual_seed(0)
         state = {k: (torch.randn(v.shape, generator=generator).to(v) if ".lora_B." in k else v)
-                 for k, v in rollout.lora_state_dict(transformer, name).items()}
-        embeds, pooled = rollout.negative_embeddings(pipe)
+                 for k, v in lora_adapters.lora_state_dict(transformer, name).items()}
+        embeds, pooled = sd3.negative_embeddings(pipe)
         shape = rollout.latent_shape(pipe, PROBE_SIZE, PROBE_SIZE)
         latents = rollout.initial_latents([0], shape, "cpu", torch.float32)
         probe = partial(self.request, pipe.scheduler, embeds, pooled, [0], latents, PROBE_STEPS,
@@ -240,7 +242,7 @@ class OmniRollout:
         try:
             with_lora = self._generate(*probe(lora_request=lora))
         except Exception as error:  # one line, not the engine's traceback
-            reason = rollout.error_line(error)
+            reason = sd3.error_line(error)
             raise RuntimeError(f"{FLAG}: the adapter bound no module ({reason})") from None
         self._drop_adapters_before(lora)
         if torch.equal(base, with_lora):
@@ -274,7 +276,7 @@ def start_error(error: Exception) -> str:
     if "_vllm_fa2_C" in str(error) or "_vllm_fa3_C" in str(error):
         hint = (": this vLLM lacks its flash-attention kernels; DIFFUSION_ATTENTION_BACKEND="
                 "TORCH_SDPA runs the engine with PyTorch's attention, as diffusers does")
-    return f"{FLAG}: the engine did not start ({rollout.error_line(error)}){hint}"
+    return f"{FLAG}: the engine did not start ({sd3.error_line(error)}){hint}"
 
 
 def _fast_tmp() -> str | None:

@@ -33,7 +33,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+import lora_adapters
 import rollout
+import sd3
 
 
 def block_kinds(config) -> list[tuple[bool, bool]]:
@@ -51,13 +53,13 @@ def smallest_config(config) -> dict:
 
 
 def model_configs(model: str) -> tuple[dict, dict]:
-    """The transformer's and the VAE's configs of `model` (rollout.load_pipeline's names), without loading weights."""
+    """The transformer's and the VAE's configs of `model` (sd3.load_pipeline's names), without loading weights."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    if model in (rollout.TINY, rollout.RANDOM_MEDIUM):
-        config = rollout.TINY_CONFIG if model == rollout.TINY else rollout.MEDIUM_CONFIG
+    if model in (sd3.TINY, sd3.RANDOM_MEDIUM):
+        config = sd3.TINY_CONFIG if model == sd3.TINY else sd3.MEDIUM_CONFIG
         with torch.device("meta"):
-            return dict(rollout.random_transformer(config).config), dict(rollout.random_vae(config).config)
+            return dict(sd3.random_transformer(config).config), dict(sd3.random_vae(config).config)
     path = os.path.expanduser(model)
     return (dict(SD3Transformer2DModel.load_config(path, subfolder="transformer")),
             dict(AutoencoderKL.load_config(path, subfolder="vae")))
@@ -88,7 +90,7 @@ def run_pass(spec: dict) -> None:
         with torch.no_grad(), autocast:
             vae.decode(latents, return_dict=False)
         return
-    rollout.add_lora_adapters(transformer, *spec["lora"])
+    lora_adapters.add_lora_adapters(transformer, *spec["lora"])
     if spec["gradient_checkpointing"]:
         transformer.enable_gradient_checkpointing()
     rollout.compile_blocks(transformer)
@@ -96,7 +98,7 @@ def run_pass(spec: dict) -> None:
     latents = torch.randn(rows, config.in_channels, latent, latent, device=device)
     embeds = torch.randn(rows, spec["text_tokens"], config.joint_attention_dim, device=device)
     pooled = torch.randn(rows, config.pooled_projection_dim, device=device)
-    with torch.set_grad_enabled(job["grad"]), autocast, rollout.use_adapter(transformer, job["adapter"]):
+    with torch.set_grad_enabled(job["grad"]), autocast, lora_adapters.use_adapter(transformer, job["adapter"]):
         velocity = rollout.predict_velocity(transformer, latents, torch.full((rows,), 500.0), embeds, pooled)
     if job["grad"]:
         velocity.float().square().mean().backward()

@@ -39,11 +39,13 @@ from data import load_train_and_eval_prompts
 from distributed import (actor_device, agreed_stop, all_mean_, gather, leave_process_group,
                          settings_mismatch, shared_settings, signalled_ranks)
 from iteration import PhaseTimer
+from lora_adapters import SnapshotError
 from memory import TRAINER_MEMORY_FLAGS, memory_error, model_shape, out_of_memory_line
 from ocr_reward import check_reward_model
 from reward_mix import parse_mix
-from rollout import SnapshotError, check_model_path, nonfinite_images, warn_cut_targets
+from rollout import nonfinite_images
 from scoring import reward_stats
+from sd3 import check_model_path, warn_cut_targets
 from settings import flat_settings
 
 

@@ -10,10 +10,12 @@ import torch
 
 from checkpoint import EVAL_SCORES
 from judges import judge_names, make_guarded_judges
+from lora_adapters import use_adapter
 from ocr_reward import READERS
 from reward_mix import component_means, parse_mix
-from rollout import captioned_grid, encode_prompts, sample, use_adapter
+from rollout import captioned_grid, sample
 from scoring import ScoringThread, image_rewards, scorer_options
+from sd3 import encode_prompts
 
 
 def judge_tag(name):

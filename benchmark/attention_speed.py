@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lora_adapters
 import rollout  # noqa: E402
+import sd3  # noqa: E402
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -77,10 +79,10 @@ def transformer_forwards(fastest):
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         transformer = rollout.SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16,
-                                                    **rollout.MEDIUM_CONFIG["transformer"]).eval().requires_grad_(False)
+                                                    **sd3.MEDIUM_CONFIG["transformer"]).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
-    rollout.add_lora_adapters(transformer, 32, 64)
-    for p in rollout.lora_parameters(transformer, "sampling"):
+    lora_adapters.add_lora_adapters(transformer, 32, 64)
+    for p in lora_adapters.lora_parameters(transformer, "sampling"):
         p.data.normal_(0, 1e-3)  # a trained adapter is nonzero
     rollout.compile_blocks(transformer)
     x = torch.randn(24, 16, 64, 64, device="cuda")
@@ -91,7 +93,7 @@ def transformer_forwards(fastest):
         torch._dynamo.reset()  # the backend is chosen when a graph is traced
         for adapter in (None, "sampling"):
             def forward():
-                with torch.no_grad(), torch.autocast("cuda", torch.bfloat16), rollout.use_adapter(transformer, adapter), \
+                with torch.no_grad(), torch.autocast("cuda", torch.bfloat16), lora_adapters.use_adapter(transformer, adapter), \
                         (sdpa_kernel(BACKENDS[backend]) if backend in BACKENDS else nullcontext()):
                     return rollout.predict_velocity(transformer, x, t, embeds, pooled)
 

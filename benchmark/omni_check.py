@@ -38,9 +38,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import omni_rollout  # noqa: E402
 from benchmark.events import scalars  # noqa: E402
+import lora_adapters
+import omni_rollout  # noqa: E402
 import rollout  # noqa: E402
+import sd3  # noqa: E402
 
 PHASES = ("smoke", "weights", "zero", "lora", "speed", "train")
 # the least time left in which each phase is started: a ten-minute call can run train alone
@@ -181,14 +183,14 @@ class Engines:
         self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if cuda else nullcontext
         self.sync = torch.cuda.synchronize if cuda else (lambda: None)
         start = time.perf_counter()
-        self.pipe = rollout.load_pipeline(model, device, self.dtype)
-        rollout.add_lora_adapters(self.pipe.transformer, args.lora_rank, 2 * args.lora_rank)
+        self.pipe = sd3.load_pipeline(model, device, self.dtype)
+        lora_adapters.add_lora_adapters(self.pipe.transformer, args.lora_rank, 2 * args.lora_rank)
         if args.compile and cuda:
             rollout.compile_blocks(self.pipe.transformer)
             rollout.compile_decoder(self.pipe.vae)
         self.load_s = time.perf_counter() - start
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_prompts) for _ in range(group_size)]
-        self.embeds, self.pooled = rollout.encode_prompts(self.pipe, prompts, max_tokens)
+        self.embeds, self.pooled = sd3.encode_prompts(self.pipe, prompts, max_tokens)
         self.seeds = image_seeds(len(prompts))
         self.resolution = resolution
         start = time.perf_counter()
@@ -200,7 +202,7 @@ class Engines:
 
     def sample(self, engine, adapter="sampling", decode=False):
         run = self.omni.sample if engine == "vllm-omni" else rollout.sample
-        with rollout.use_adapter(self.pipe.transformer, adapter), self.autocast():
+        with lora_adapters.use_adapter(self.pipe.transformer, adapter), self.autocast():
             out = run(self.pipe, self.embeds, self.pooled, self.seeds, self.args.num_steps, 1.0,
                       self.resolution, self.resolution, self.args.forward_batch_size, decode=decode)
         self.sync()
@@ -225,8 +227,8 @@ def randomise_lora_b(transformer, name, std, seed=0):
     """Adapter `name` with random B (a fresh LoRA's B is 0: the base model), its A kept."""
     generator = torch.Generator().manual_seed(seed)
     state = {k: (std * torch.randn(v.shape, generator=generator)).to(v) if ".lora_B." in k else v
-             for k, v in rollout.lora_state_dict(transformer, name).items()}
-    rollout.load_lora_state_dict(transformer, name, state)
+             for k, v in lora_adapters.lora_state_dict(transformer, name).items()}
+    lora_adapters.load_lora_state_dict(transformer, name, state)
 
 
 # ---- the phases ----------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def randomise_lora_b(transformer, name, std, seed=0):
 
 def smoke(args, device):
     """Tiny model: both engines' final latents of a few images, a non-zero sampling adapter."""
-    engines = Engines(args, rollout.TINY, device, 2, 2, 64, 96)
+    engines = Engines(args, sd3.TINY, device, 2, 2, 64, 96)
     try:
         randomise_lora_b(engines.pipe.transformer, "sampling", 0.1)
         diffusers = engines.latents("diffusers")
@@ -254,7 +256,7 @@ def build_weights(args, device):
         return {"model_dir": str(folder), "reused": True}
     start = time.perf_counter()
     build_device = device if device.type == "cuda" else "cpu"
-    pipe = rollout.load_pipeline(rollout.RANDOM_MEDIUM, build_device, torch.bfloat16)
+    pipe = sd3.load_pipeline(sd3.RANDOM_MEDIUM, build_device, torch.bfloat16)
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     tmp = folder.with_name(f".{folder.name}.partial")

@@ -29,13 +29,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import rollout  # noqa: E402
-from ocr_reward import RANDOM_QWEN  # noqa: E402
 from benchmark.events import scalars  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
+from ocr_reward import RANDOM_QWEN  # noqa: E402
+import sd3  # noqa: E402
 
 PROMPTS = ROOT / "tests" / "data" / "ocr" / "train.txt"
-RECIPE = ["--model", rollout.RANDOM_MEDIUM, "--reward", "qwen-vl", "--reward-model", RANDOM_QWEN,
+RECIPE = ["--model", sd3.RANDOM_MEDIUM, "--reward", "qwen-vl", "--reward-model", RANDOM_QWEN,
           "--train-data", str(PROMPTS), "--eval-data", str(PROMPTS), "--save-every", "1000"]
 VARIANTS = {  # extra crd.py arguments
     "baseline": ["--forward-batch-size", "12", "--policy-timesteps-per-forward", "1", "--no-compile"],  # ~1 timestep a call

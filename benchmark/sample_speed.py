@@ -20,7 +20,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lora_adapters
 import rollout  # noqa: E402
+import sd3  # noqa: E402
 
 
 def median_seconds(fn, sync, repeats: int) -> float:
@@ -38,7 +40,7 @@ def median_seconds(fn, sync, repeats: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=rollout.RANDOM_MEDIUM, help="hub id, local dir, tiny, random-sd3.5-medium")
+    parser.add_argument("--model", default=sd3.RANDOM_MEDIUM, help="hub id, local dir, tiny, random-sd3.5-medium")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=6, help="images per prompt")
@@ -57,22 +59,22 @@ def main():
     autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if cuda else nullcontext
 
     start = time.perf_counter()
-    pipe = rollout.load_pipeline(args.model, device, torch.bfloat16 if cuda else torch.float32)
+    pipe = sd3.load_pipeline(args.model, device, torch.bfloat16 if cuda else torch.float32)
     transformer = pipe.transformer
-    rollout.add_lora_adapters(transformer, rank=args.lora_rank, alpha=2 * args.lora_rank)
+    lora_adapters.add_lora_adapters(transformer, rank=args.lora_rank, alpha=2 * args.lora_rank)
     if args.compile:
         rollout.compile_blocks(transformer)
     sync()
     load_s = time.perf_counter() - start
     prompts = [f'a neon sign that says "benchmark {i}"' for i in range(args.num_prompts)]
-    embeds, pooled = rollout.encode_prompts(pipe, [p for p in prompts for _ in range(args.group_size)])
+    embeds, pooled = sd3.encode_prompts(pipe, [p for p in prompts for _ in range(args.group_size)])
     batch = embeds.shape[0]
     seeds = list(range(batch))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
     def run_sample(decode: bool) -> dict:
-        with rollout.use_adapter(transformer, "sampling"), autocast():
+        with lora_adapters.use_adapter(transformer, "sampling"), autocast():
             return rollout.sample(pipe, embeds, pooled, seeds, args.num_steps, 1.0, args.height, args.width,
                                   max_batch_size=batch, decode=decode)
 
@@ -83,16 +85,16 @@ def main():
 
     @torch.no_grad()
     def forward():
-        with rollout.use_adapter(transformer, "sampling"), autocast():
+        with lora_adapters.use_adapter(transformer, "sampling"), autocast():
             rollout.predict_velocity(transformer, latents, timestep, embeds, pooled)
 
     def decode():
         with autocast():
             rollout.decode_latents(pipe, latents)
 
-    encode_s = median_seconds(lambda: rollout.encode_prompts(pipe, [p for p in prompts for _ in range(args.group_size)]),
+    encode_s = median_seconds(lambda: sd3.encode_prompts(pipe, [p for p in prompts for _ in range(args.group_size)]),
                               sync, args.repeats)
-    ema_s = median_seconds(lambda: rollout.ema_update_(transformer, "old", "policy", 0.5), sync, args.repeats)
+    ema_s = median_seconds(lambda: lora_adapters.ema_update_(transformer, "old", "policy", 0.5), sync, args.repeats)
     decode_eager_s = median_seconds(decode, sync, args.repeats)
     if args.compile:
         rollout.compile_decoder(pipe.vae)

@@ -27,15 +27,17 @@ from torch.utils.tensorboard import SummaryWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import rollout  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
 from data import load_prompts  # noqa: E402
+import lora_adapters
 from ocr_reward import RANDOM_QWEN, make_scorer  # noqa: E402
+import rollout  # noqa: E402
+import sd3  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=rollout.RANDOM_MEDIUM, help="hub id, local dir, tiny, random-sd3.5-medium")
+    parser.add_argument("--model", default=sd3.RANDOM_MEDIUM, help="hub id, local dir, tiny, random-sd3.5-medium")
     parser.add_argument("--scorer", default="qwen-vl", help="ocr_reward.make_scorer name")
     parser.add_argument("--scorer-model", default=RANDOM_QWEN)
     parser.add_argument("--device", default="cuda")
@@ -56,28 +58,28 @@ def main():
     reward_device = torch.device("cuda:1") if args.reward_gpu else device
     sync = (lambda: [torch.cuda.synchronize(d) for d in {device, reward_device}]) if cuda else (lambda: None)
     autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if cuda else nullcontext
-    pipe = rollout.load_pipeline(args.model, device, torch.bfloat16 if cuda else torch.float32,
+    pipe = sd3.load_pipeline(args.model, device, torch.bfloat16 if cuda else torch.float32,
                                  text_encoder_device=reward_device)
     transformer = pipe.transformer
-    rollout.add_lora_adapters(transformer, 32, 64)
+    lora_adapters.add_lora_adapters(transformer, 32, 64)
     if args.compile and cuda:
         rollout.compile_blocks(transformer)
         rollout.compile_decoder(pipe.vae)
     scorer = make_scorer(args.scorer, device=str(reward_device), model_path=args.scorer_model, batch_size=24)
     scoring = ThreadPoolExecutor(1)
-    negative = rollout.negative_embeddings(pipe)
+    negative = sd3.negative_embeddings(pipe)
     records = load_prompts(args.prompts)[0][: args.num_prompts]
     prompts, targets = [r["prompt"] for r in records], [r["target"] for r in records]
     seeds = list(range(len(prompts)))
     writer = SummaryWriter(tempfile.mkdtemp())
 
     def encode():
-        return rollout.encode_prompts(pipe, prompts)
+        return sd3.encode_prompts(pipe, prompts)
 
     embeds, pooled = encode()  # (N, 333, 4096), (N, 2048)
 
     def denoise(max_rows=args.forward_batch_size):
-        with rollout.use_adapter(transformer, "sampling"), autocast():
+        with lora_adapters.use_adapter(transformer, "sampling"), autocast():
             return rollout.sample(pipe, embeds, pooled, seeds, args.steps, args.guidance, args.resolution,
                                   args.resolution, max_rows, negative_embeds=negative[0], negative_pooled=negative[1],
                                   decode=False)
@@ -96,9 +98,9 @@ def main():
         writer.flush()
 
     def whole_pass():  # validation.Validation (crd.py's validation), step for step
-        embeds, pooled = rollout.encode_prompts(pipe, prompts)
+        embeds, pooled = sd3.encode_prompts(pipe, prompts)
         scored = []
-        with rollout.use_adapter(transformer, "sampling"), autocast():
+        with lora_adapters.use_adapter(transformer, "sampling"), autocast():
             images = rollout.sample(
                 pipe, embeds, pooled, seeds, args.steps, args.guidance, args.resolution, args.resolution,
                 args.forward_batch_size, negative_embeds=negative[0], negative_pooled=negative[1],

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import crd
-import rollout
 from crd import crd_loss, ema_decay, group_advantages
+import lora_adapters
+import rollout
+import sd3
 
 G = 4
 
@@ -155,10 +157,10 @@ def paper_decay(k, start, initial, slope, maximum):
 @pytest.fixture
 def lora_transformer(tiny_model_dir):
     """The tiny transformer with its three adapters, the policy moved away from the other two."""
-    transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
-    rollout.add_lora_adapters(transformer, 4, 4)
+    transformer = sd3.load_pipeline(str(tiny_model_dir)).transformer
+    lora_adapters.add_lora_adapters(transformer, 4, 4)
     with torch.no_grad():
-        for p in rollout.lora_parameters(transformer, "policy"):
+        for p in lora_adapters.lora_parameters(transformer, "policy"):
             p.add_(1.0)
     return transformer
 
@@ -168,14 +170,14 @@ def test_snapshot_decays_are_the_papers_schedules_at_two_steps_per_iteration(lor
     """The update the loop makes after an iteration, given the recipe's 4 optimizer steps per iteration: each adapter
     blends toward the policy with its schedule evaluated at k = 2 x iterations done, the paper's step count."""
     args = crd.Args()
-    before = {name: [p.clone() for p in rollout.lora_parameters(lora_transformer, name)] for name in ("old", "sampling")}
+    before = {name: [p.clone() for p in lora_adapters.lora_parameters(lora_transformer, name)] for name in ("old", "sampling")}
     decays = crd.snapshots_after_iteration(lora_transformer, args, iteration, 4 * iteration)
     expected = {"old": paper_decay(2 * iteration, 0, 0.25, 0.005, 0.999),
                 "sampling": paper_decay(2 * iteration, 75, 0.0, 0.0075, 0.999)}
     assert decays == pytest.approx(expected, abs=1e-12)
-    policy = rollout.lora_parameters(lora_transformer, "policy")
+    policy = lora_adapters.lora_parameters(lora_transformer, "policy")
     for name, decay in expected.items():
-        for now, then, p in zip(rollout.lora_parameters(lora_transformer, name), before[name], policy):
+        for now, then, p in zip(lora_adapters.lora_parameters(lora_transformer, name), before[name], policy):
             torch.testing.assert_close(now, decay * then + (1 - decay) * p)
 
 
@@ -199,25 +201,25 @@ def test_snapshot_decays_can_count_optimizer_steps(lora_transformer):
 
 def test_gradients_reach_only_the_policy_lora(tiny_model_dir):
     """The three velocities of crd.py's training step on the tiny transformer: only policy LoRA tensors get gradients."""
-    pipe = rollout.load_pipeline(str(tiny_model_dir))
+    pipe = sd3.load_pipeline(str(tiny_model_dir))
     transformer = pipe.transformer
-    rollout.add_lora_adapters(transformer, 4, 8)
+    lora_adapters.add_lora_adapters(transformer, 4, 8)
     with torch.no_grad():  # make the adapters differ from the base and from each other
         for name, scale in (("policy", 0.1), ("old", 0.05)):
-            for p in rollout.lora_parameters(transformer, name):
+            for p in lora_adapters.lora_parameters(transformer, name):
                 p.add_(scale * torch.randn_like(p))
-    embeds, pooled = rollout.encode_prompts(pipe, ['a "cat"'] * G)
-    negative = rollout.negative_embeddings(pipe)
+    embeds, pooled = sd3.encode_prompts(pipe, ['a "cat"'] * G)
+    negative = sd3.negative_embeddings(pipe)
     noisy, target = torch.randn(G, 16, 8, 8), torch.randn(G, 16, 8, 8)
     with torch.no_grad():
-        with rollout.use_adapter(transformer, "old"):
+        with lora_adapters.use_adapter(transformer, "old"):
             v_old = rollout.predict_velocity(transformer, noisy, 700.0, embeds, pooled)
-        with rollout.use_adapter(transformer, None):
+        with lora_adapters.use_adapter(transformer, None):
             v_ref = rollout.predict_velocity(transformer, noisy, 700.0, embeds, pooled, 4.5, *negative)
-    with rollout.use_adapter(transformer, "policy"):
+    with lora_adapters.use_adapter(transformer, "policy"):
         v_theta = rollout.predict_velocity(transformer, noisy, 700.0, embeds, pooled)
     crd_loss(v_theta, v_old, v_ref, target, torch.tensor([2.0, -1.0, 0.5, -1.5]), G)[0].backward()
-    policy = {id(p) for p in rollout.lora_parameters(transformer, "policy")}
+    policy = {id(p) for p in lora_adapters.lora_parameters(transformer, "policy")}
     with_grad = [n for n, p in transformer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
     assert with_grad and all(id(dict(transformer.named_parameters())[n]) in policy for n in with_grad)
     assert len(with_grad) >= len(policy) - 2  # all but the LoRA pair whose output SD3's last block discards
@@ -245,12 +247,12 @@ def test_snapshots_move_the_old_adapter_when_the_trainer_says(trainer, every_ste
     module = importlib.import_module(trainer)
     assert module.OLD_MOVES_EVERY_STEP is every_step
     args = module.Args()
-    transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
-    rollout.add_lora_adapters(transformer, 4, 4)
+    transformer = sd3.load_pipeline(str(tiny_model_dir)).transformer
+    lora_adapters.add_lora_adapters(transformer, 4, 4)
     with torch.no_grad():
-        for p in rollout.lora_parameters(transformer, "policy"):
+        for p in lora_adapters.lora_parameters(transformer, "policy"):
             p.add_(1.0)
-    old = rollout.lora_parameters(transformer, "old")
+    old = lora_adapters.lora_parameters(transformer, "old")
     before = [p.clone() for p in old]
     module.snapshots_after_step(transformer, args, 100)
     assert every_step is not all(torch.equal(o, b) for o, b in zip(old, before))

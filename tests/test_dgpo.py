@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 import crd
-import rollout
 from dgpo import (Args, check_args, dgpo_loss, ema_decay, snapshots_after_iteration, snapshots_after_step,
                   train_timestep_grid)
+import lora_adapters
+import sd3
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
@@ -94,11 +95,11 @@ def test_clip_masks_exactly_the_specified_samples():
 def test_old_adapter_ema_per_step_and_sampling_switch(tiny_model_dir):
     """Official train_sd3_dgpo.py: after optimizer step s + 1 the old EMA uses decay min(0.3, 0.001 s), s counted
     before its increment; rollouts switch to the old EMA once more than switch_ema_ref (200) steps are done."""
-    transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
-    rollout.add_lora_adapters(transformer, 4, 4)
+    transformer = sd3.load_pipeline(str(tiny_model_dir)).transformer
+    lora_adapters.add_lora_adapters(transformer, 4, 4)
     assert [ema_decay(s, 0.001, 0.3) for s in (0, 100, 250, 300, 5000)] == pytest.approx([0, 0.1, 0.25, 0.3, 0.3])
     args = Args()
-    policy, old, sampling = (rollout.lora_parameters(transformer, n) for n in ("policy", "old", "sampling"))
+    policy, old, sampling = (lora_adapters.lora_parameters(transformer, n) for n in ("policy", "old", "sampling"))
 
     def move_apart():
         with torch.no_grad():
@@ -204,7 +205,7 @@ def test_the_loop_trains_the_window_against_the_cfg_guided_base(tiny_model_dir, 
     for group in per_group[..., 0]:
         assert sorted(group.tolist(), reverse=True) == step["grid"][:7].tolist()
     base, n = tiny_pipe.transformer, len(step["noisy"])
-    empty, empty_pooled = rollout.encode_prompts(tiny_pipe, [""] * n, 96)  # the run's --max-sequence-length
+    empty, empty_pooled = sd3.encode_prompts(tiny_pipe, [""] * n, 96)  # the run's --max-sequence-length
     with torch.no_grad():
         v_cond = base(hidden_states=step["noisy"], timestep=step["timesteps"], encoder_hidden_states=step["embeds"],
                       pooled_projections=step["pooled"], return_dict=False)[0]

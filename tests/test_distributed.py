@@ -48,7 +48,7 @@ def dump_then_exit(code):
         frame = frame.f_back
     run = frame.f_globals
     from safetensors.torch import save_file
-    from rollout import lora_state_dict
+    from lora_adapters import lora_state_dict
     tensors = {f"{name}.{key}": value.contiguous() for name in ("policy", "old", "sampling")
                for key, value in lora_state_dict(run["transformer"], name).items()}
     for i, param_state in run["optimizer"].state_dict()["state"].items():

@@ -138,12 +138,13 @@ def test_stopped_runs_resume_without_rescoring(trained, tiny_model_dir, tmp_path
 @pytest.fixture(scope="module")
 def rank_8_lora(tmp_path_factory, tiny_model_dir):
     """A diffusers LoRA directory of rank 8, alpha 8 (export_lora's format)."""
-    import rollout
+    import lora_adapters
+    import sd3
 
-    pipe = rollout.load_pipeline(str(tiny_model_dir))
-    rollout.add_lora_adapters(pipe.transformer, 8, 8, names=("policy",))
+    pipe = sd3.load_pipeline(str(tiny_model_dir))
+    lora_adapters.add_lora_adapters(pipe.transformer, 8, 8, names=("policy",))
     path = tmp_path_factory.mktemp("lora") / "rank_8"
-    rollout.export_lora(pipe.transformer, "policy", path)
+    lora_adapters.export_lora(pipe.transformer, "policy", path)
     return path
 
 
@@ -219,19 +220,20 @@ def test_a_lora_with_other_layer_sizes_is_named(tiny_model_dir):
     """The same layer names with other sizes (a LoRA of a wider model) is one line naming the layer and both shapes,
     not torch's size-mismatch traceback; a LoRA of the right sizes loads."""
     import evaluate
-    import rollout
+    import lora_adapters
+    import sd3
 
-    trained = rollout.load_pipeline(str(tiny_model_dir)).transformer
-    rollout.add_lora_adapters(trained, 4, 4, names=("policy",))
-    lora = {key: value.clone() for key, value in rollout.lora_state_dict(trained, "policy").items()}
-    evaluate.load_lora(rollout.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
+    trained = sd3.load_pipeline(str(tiny_model_dir)).transformer
+    lora_adapters.add_lora_adapters(trained, 4, 4, names=("policy",))
+    lora = {key: value.clone() for key, value in lora_adapters.lora_state_dict(trained, "policy").items()}
+    evaluate.load_lora(sd3.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
     key = next(k for k in lora if ".lora_A." in k)
     rank, width = lora[key].shape
     lora[key] = torch.zeros(rank, width + 8)
     with pytest.raises(SystemExit, match=re.escape(
             f"--lora DIR: the LoRA does not fit the model: {key} has shape ({rank}, {width + 8}), the model's layer "
             f"takes ({rank}, {width})")):
-        evaluate.load_lora(rollout.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
+        evaluate.load_lora(sd3.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
 
 
 def with_sampling_adapter(trained, tmp_path, change):

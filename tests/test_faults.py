@@ -20,7 +20,8 @@ import tyro
 import checkpoint
 import crd
 import evaluate
-import rollout
+import lora_adapters
+import sd3
 from settings import ScoringArgs, flat_settings
 from test_trainers import ROOT
 
@@ -289,8 +290,8 @@ def test_an_events_file_that_cannot_grow_stops_the_run_with_one_line_and_a_check
 @pytest.fixture(scope="module")
 def lora_transformer(tiny_model_dir):
     """The tiny transformer with rank-4 adapters."""
-    pipe = rollout.load_pipeline(str(tiny_model_dir))
-    rollout.add_lora_adapters(pipe.transformer, 4, 4)
+    pipe = sd3.load_pipeline(str(tiny_model_dir))
+    lora_adapters.add_lora_adapters(pipe.transformer, 4, 4)
     return pipe.transformer
 
 
@@ -369,7 +370,7 @@ def test_every_file_of_a_checkpoint_follows_the_umask(umask, files, folders, lor
                                                       tmp_path):
     """safetensors wrote adapters.safetensors and the exported LoRA 0600 whatever the umask: a
     teammate could read optimizer.pt but not the weights."""
-    optimizer = torch.optim.AdamW(rollout.lora_parameters(lora_transformer))
+    optimizer = torch.optim.AdamW(lora_adapters.lora_parameters(lora_transformer))
     previous = os.umask(umask)
     try:
         step = checkpoint.save_checkpoint(tmp_path, 1, lora_transformer, optimizer,

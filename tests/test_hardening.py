@@ -22,12 +22,13 @@ from safetensors.torch import load_file, save_file
 
 import checkpoint
 import crd
-import dgpo
-import ocr_reward
-import rollout
 from data import GroupSampler
+import dgpo
+import lora_adapters
+import ocr_reward
 from ocr_server import ocr_server
 from scoring import GuardedScorer
+import sd3
 from settings import ScoringArgs, flat_settings
 from test_trainers import DATA, ROOT, TINY_RUN, train
 
@@ -35,9 +36,9 @@ from test_trainers import DATA, ROOT, TINY_RUN, train
 @pytest.fixture(scope="module")
 def lora_transformer(tiny_model_dir):
     """The tiny transformer with rank-4 adapters, and an AdamW over its policy adapter."""
-    pipe = rollout.load_pipeline(str(tiny_model_dir))
-    rollout.add_lora_adapters(pipe.transformer, 4, 4)
-    return pipe.transformer, torch.optim.AdamW(rollout.lora_parameters(pipe.transformer))
+    pipe = sd3.load_pipeline(str(tiny_model_dir))
+    lora_adapters.add_lora_adapters(pipe.transformer, 4, 4)
+    return pipe.transformer, torch.optim.AdamW(lora_adapters.lora_parameters(pipe.transformer))
 
 
 def test_a_full_disk_keeps_the_latest_complete_checkpoint_and_says_which(lora_transformer, tmp_path):

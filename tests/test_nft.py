@@ -4,9 +4,10 @@ invariances, and its snapshot schedule (the run-level tests are tests/test_train
 import pytest
 import torch
 
+import lora_adapters
 import nft
-import rollout
 from nft import Args, check_args, ema_decay, eval_ema_decay, nft_loss
+import sd3
 
 B, C, H, W = 6, 4, 3, 5
 
@@ -98,9 +99,9 @@ def test_schedules_are_the_authors():
 
 
 def test_snapshots_move_the_sampling_ema_each_step_and_old_each_iteration(tiny_model_dir):
-    transformer = rollout.load_pipeline(str(tiny_model_dir)).transformer
-    rollout.add_lora_adapters(transformer, 4, 4)
-    policy, old, sampling = (rollout.lora_parameters(transformer, n)
+    transformer = sd3.load_pipeline(str(tiny_model_dir)).transformer
+    lora_adapters.add_lora_adapters(transformer, 4, 4)
+    policy, old, sampling = (lora_adapters.lora_parameters(transformer, n)
                              for n in ("policy", "old", "sampling"))
     with torch.no_grad():
         for p in policy:

@@ -19,13 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import rollout
 from benchmark.ocr_proxy import ocr_pool, pretrain
-from benchmark.ocr_proxy.onnx_network import OnnxNetwork
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool, serve
+from benchmark.ocr_proxy.onnx_network import OnnxNetwork
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
 from ocr_reward import PaddleScorer, make_scorer
+import rollout
+import sd3
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +71,7 @@ def test_encode_ids_is_the_pipelines_prompt_encoding(tiny_pipe):
     prompts = [prompt("0123"), prompt("9"), ""]
     components = tiny_pipe.components
     embeds, pooled = pretrain.encode_ids(components, *pretrain.tokenize(components, prompts, 32))
-    expected_embeds, expected_pooled = rollout.encode_prompts(tiny_pipe, prompts, 32)
+    expected_embeds, expected_pooled = sd3.encode_prompts(tiny_pipe, prompts, 32)
     torch.testing.assert_close(embeds, expected_embeds)
     torch.testing.assert_close(pooled, expected_pooled)
 
@@ -92,9 +93,9 @@ def test_pretraining_saves_a_pipeline_the_trainers_load_deterministically_and_re
     weights = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
-    pipe = rollout.load_pipeline(str(out))
+    pipe = sd3.load_pipeline(str(out))
     assert pipe.vae.config.scaling_factor != 1.5305  # measured on the renders, not _build_components' SD3 value
-    embeds, pooled = rollout.encode_prompts(pipe, [prompt("012")], 32)
+    embeds, pooled = sd3.encode_prompts(pipe, [prompt("012")], 32)
     images = rollout.sample(pipe, embeds, pooled, [0], num_steps=2, height=64, width=64)["images"]
     assert images.shape == (1, 64, 64, 3) and images.dtype == np.uint8
 

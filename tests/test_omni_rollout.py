@@ -19,8 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import lora_adapters
 import omni_rollout
 import rollout
+import sd3
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ['a sign that says "hello"', 'a poster with "CRD 2026" on it', "a cat"]
@@ -184,7 +186,9 @@ STAND_IN = {
         import json
         from pathlib import Path
         from safetensors.torch import load_file
+        import lora_adapters
         import rollout
+        import sd3
 
         BIND = True  # False: adapters load but bind no module (verl-omni#552, vllm-omni#7190)
 
@@ -206,12 +210,12 @@ STAND_IN = {
                     config, state = self.registered[adapter_id]
                     if BIND:
                         if "engine" not in getattr(self.transformer, "peft_config", {}):
-                            rollout.add_lora_adapters(self.transformer, config["r"],
+                            lora_adapters.add_lora_adapters(self.transformer, config["r"],
                                                       config["lora_alpha"], names=("engine",),
                                                       targets=config["target_modules"])
-                        rollout.load_lora_state_dict(self.transformer, "engine", state)
+                        lora_adapters.load_lora_state_dict(self.transformer, "engine", state)
                         name = "engine"
-                self.layers = rollout.use_adapter(self.transformer, name)
+                self.layers = lora_adapters.use_adapter(self.transformer, name)
                 self.layers.__enter__()
 
             def _load(self, adapter_id, path):
@@ -304,15 +308,15 @@ def perturb(transformer, name, seed=0):
     """Give adapter `name` random non-zero weights (a fresh LoRA has B = 0: the base model)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in rollout.lora_parameters(transformer, name):
+        for p in lora_adapters.lora_parameters(transformer, name):
             p.copy_(0.1 * torch.randn(p.shape, generator=generator))
 
 
 @pytest.fixture
 def lora_pipe(tiny_model_dir):
     """The trainer's side: a fresh tiny pipe with the three adapters, the sampling one non-zero."""
-    pipe = rollout.load_pipeline(str(tiny_model_dir))
-    rollout.add_lora_adapters(pipe.transformer, rank=4, alpha=8)
+    pipe = sd3.load_pipeline(str(tiny_model_dir))
+    lora_adapters.add_lora_adapters(pipe.transformer, rank=4, alpha=8)
     perturb(pipe.transformer, "sampling")
     return pipe
 
@@ -327,7 +331,7 @@ def engine(stand_in, on_cpu, lora_pipe, tiny_model_dir):
 def embed(pipe, n):
     """Embeddings of n images, group_size 2: each prompt twice in a row, as a rollout's batch."""
     prompts = [PROMPTS[i // 2 % len(PROMPTS)] for i in range(n)]
-    return rollout.encode_prompts(pipe, prompts, T5_TOKENS)
+    return sd3.encode_prompts(pipe, prompts, T5_TOKENS)
 
 
 def same_bits(a, b):
@@ -350,7 +354,7 @@ def sample_before_the_refactor(pipe, prompt_embeds, pooled, seeds, num_steps, gu
     negative = [None, None]
     if guidance_scale > 1:
         tokens = prompt_embeds.shape[1] - pipe.tokenizer_max_length
-        negative = rollout.negative_embeddings(pipe, tokens)
+        negative = sd3.negative_embeddings(pipe, tokens)
     pipe.scheduler.set_timesteps(num_steps)
     timesteps, sigmas = pipe.scheduler.timesteps.float(), pipe.scheduler.sigmas.float()
     shape = (transformer.config.in_channels, H // pipe.vae_scale_factor, W // pipe.vae_scale_factor)
@@ -376,7 +380,7 @@ def sample_before_the_refactor(pipe, prompt_embeds, pooled, seeds, num_steps, gu
 @pytest.mark.parametrize("cfg, max_batch_size", [(1.0, 32), (4.5, 3)])
 def test_diffusers_rollout_is_bitwise_the_loop_before_the_refactor(lora_pipe, cfg, max_batch_size):
     embeds, pooled = embed(lora_pipe, 6)
-    with rollout.use_adapter(lora_pipe.transformer, "sampling"):
+    with lora_adapters.use_adapter(lora_pipe.transformer, "sampling"):
         new = rollout.sample(lora_pipe, embeds, pooled, list(range(6)), 5, cfg, H, W,
                              max_batch_size)
         old = sample_before_the_refactor(lora_pipe, embeds, pooled, list(range(6)), 5, cfg,
@@ -411,20 +415,20 @@ def test_euler_step_is_float32_whatever_the_velocity_dtype():
 
 def test_active_adapter_and_the_peft_export(lora_pipe, tmp_path):
     transformer = lora_pipe.transformer
-    assert rollout.active_adapter(transformer) == "policy"  # as add_lora_adapters leaves it
+    assert lora_adapters.active_adapter(transformer) == "policy"  # as add_lora_adapters leaves it
     for name in ("sampling", "old", None):
-        with rollout.use_adapter(transformer, name):
-            assert rollout.active_adapter(transformer) == name
-    rollout.export_lora(transformer, "sampling", tmp_path, format="peft")
+        with lora_adapters.use_adapter(transformer, name):
+            assert lora_adapters.active_adapter(transformer) == name
+    lora_adapters.export_lora(transformer, "sampling", tmp_path, format="peft")
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
-    assert sorted(config["target_modules"]) == sorted(rollout.LORA_TARGETS)
+    assert sorted(config["target_modules"]) == sorted(lora_adapters.LORA_TARGETS)
     tensors = load_file(tmp_path / "adapter_model.safetensors")
-    state = rollout.lora_state_dict(transformer, "sampling")
+    state = lora_adapters.lora_state_dict(transformer, "sampling")
     assert tensors.keys() == {f"base_model.model.{k}" for k in state}
     assert all(same_bits(tensors[f"base_model.model.{k}"], v) for k, v in state.items())
     with pytest.raises(ValueError, match="unknown LoRA format"):
-        rollout.export_lora(transformer, "sampling", tmp_path, format="kohya")
+        lora_adapters.export_lora(transformer, "sampling", tmp_path, format="kohya")
 
 
 # ---- the engine against the stand-in -------------------------------------------------------------
@@ -435,7 +439,7 @@ def test_engine_rollout_is_bitwise_the_diffusers_rollout(engine, lora_pipe, cfg,
     embeds, pooled = embed(lora_pipe, 6)
     seeds = [11, 12, 13, 14, 15, 16]
     ours, theirs = [], []  # what on_decoded gets: (chunk, images)
-    with rollout.use_adapter(lora_pipe.transformer, "sampling"):
+    with lora_adapters.use_adapter(lora_pipe.transformer, "sampling"):
         diffusers = rollout.sample(lora_pipe, embeds, pooled, seeds, 5, cfg, H, W, max_batch_size,
                                    on_decoded=lambda *chunk: ours.append(chunk))
         omni = engine.sample(lora_pipe, embeds, pooled, seeds, 5, cfg, H, W, max_batch_size,
@@ -448,13 +452,13 @@ def test_engine_rollout_is_bitwise_the_diffusers_rollout(engine, lora_pipe, cfg,
 
 
 def engine_base_latents(engine, pipe, embeds, pooled, seeds, cfg):
-    with rollout.use_adapter(pipe.transformer, None):
+    with lora_adapters.use_adapter(pipe.transformer, None):
         return engine.sample(pipe, embeds, pooled, seeds, 5, cfg, H, W, decode=False)["latents"]
 
 
 def test_the_base_model_rollout_sends_no_adapter(engine, lora_pipe):
     embeds, pooled = embed(lora_pipe, 4)
-    with rollout.use_adapter(lora_pipe.transformer, None):
+    with lora_adapters.use_adapter(lora_pipe.transformer, None):
         ours = rollout.sample(lora_pipe, embeds, pooled, [1, 2, 3, 4], 4, 1.0, H, W, decode=False)
         theirs = engine.sample(lora_pipe, embeds, pooled, [1, 2, 3, 4], 4, 1.0, H, W, decode=False)
     assert_same_rollout(ours, theirs)
@@ -465,7 +469,7 @@ def test_the_request_carries_unshifted_sigmas_latents_seeds_and_unique_embedding
                                                                                     tiny_model_dir):
     embeds, pooled = embed(lora_pipe, 6)
     seeds = [101, 102, 103, 104, 105, 106]
-    with rollout.use_adapter(lora_pipe.transformer, "sampling"):
+    with lora_adapters.use_adapter(lora_pipe.transformer, "sampling"):
         out = engine.sample(lora_pipe, embeds, pooled, seeds, 7, 4.5, H, W, 4)
     request = engine.omni.requests[-1]
     prompt, params = request.prompt, request.sampling_params
@@ -475,7 +479,7 @@ def test_the_request_carries_unshifted_sigmas_latents_seeds_and_unique_embedding
     # three prompts, each twice: sent once each, with every image's index
     assert same_bits(prompt["prompt_embeds"], embeds[[0, 2, 4]])
     assert same_bits(prompt["pooled_prompt_embeds"], pooled[[0, 2, 4]])
-    negative = rollout.negative_embeddings(lora_pipe, T5_TOKENS)
+    negative = sd3.negative_embeddings(lora_pipe, T5_TOKENS)
     assert same_bits(prompt["negative_prompt_embeds"], negative[0])
     assert same_bits(prompt["negative_pooled_prompt_embeds"], negative[1])
     payload = params.extra_args[omni_rollout.PAYLOAD]
@@ -494,7 +498,7 @@ def test_the_request_carries_unshifted_sigmas_latents_seeds_and_unique_embedding
     assert lora.lora_name == Path(lora.lora_path).name == f"sampling-{lora.lora_int_id}"
     assert params.lora_scale == 1.0
     tensors = load_file(Path(lora.lora_path) / "adapter_model.safetensors")
-    state = rollout.lora_state_dict(lora_pipe.transformer, "sampling")
+    state = lora_adapters.lora_state_dict(lora_pipe.transformer, "sampling")
     assert all(same_bits(tensors[f"base_model.model.{k}"], v) for k, v in state.items())
     from vllm_omni.diffusion.models.sd3.pipeline_sd3 import STOCK_FORWARDS
 
@@ -529,7 +533,7 @@ def test_every_rollout_sends_the_adapter_under_a_new_id(engine, lora_pipe):
     ids = []
     for round_ in range(3):
         perturb(transformer, "sampling", seed=round_ + 1)  # it moved since the last rollout
-        with rollout.use_adapter(transformer, "sampling"):
+        with lora_adapters.use_adapter(transformer, "sampling"):
             ours = rollout.sample(lora_pipe, embeds, pooled, [5, 6], 4, 1.0, H, W, decode=False)
             theirs = engine.sample(lora_pipe, embeds, pooled, [5, 6], 4, 1.0, H, W, decode=False)
         assert same_bits(ours["latents"], theirs["latents"])
@@ -590,7 +594,7 @@ def test_a_cpu_device_or_another_gpu_is_one_line(lora_pipe, stand_in, device, sa
 
 def test_random_weights_built_in_memory_are_one_line():
     with pytest.raises(RuntimeError) as error:
-        omni_rollout.engine_model_path(rollout.RANDOM_MEDIUM)
+        omni_rollout.engine_model_path(sd3.RANDOM_MEDIUM)
     assert "built in memory" in one_line(error)
 
 

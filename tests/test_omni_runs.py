@@ -23,6 +23,7 @@ import checks
 import crd
 import omni_rollout
 import rollout
+import sd3
 from tensorboard_logs import scalars
 from test_omni_rollout import write_stand_in
 from test_omni_rollout import lora_pipe, on_cpu, stand_in, stand_in_dir  # noqa: F401, F811
@@ -128,7 +129,7 @@ def test_what_the_engine_cannot_serve_is_one_line_before_anything_loads(monkeypa
     assert "runs on one actor rank; this run has 2" in says
     says = one_line_exit(lambda: omni_rollout.RolloutEngine(engine_args(), 1, "cpu"))
     assert "needs a CUDA GPU (vLLM-Omni has no CPU diffusion path)" in says
-    args = engine_args(model=rollout.RANDOM_MEDIUM)
+    args = engine_args(model=sd3.RANDOM_MEDIUM)
     assert "built in memory" in one_line_exit(lambda: omni_rollout.RolloutEngine(args, 1, "cuda"))
     monkeypatch.setattr(omni_rollout.importlib.util, "find_spec", lambda name, *a: None)
     says = one_line_exit(lambda: omni_rollout.RolloutEngine(engine_args(), 1, "cuda"))

@@ -31,7 +31,7 @@ RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-
 FAILING_ALLOCATION = """
 import runpy, sys, torch
 sys.path.insert(0, ".")
-import ocr_reward, rollout
+import ocr_reward, rollout, sd3
 script, kind, fail_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 calls = {"grad": 0, "no_grad": 0, "score": 0, "load": 0}
 def failing(which, function):
@@ -48,7 +48,7 @@ rollout.predict_velocity = forward
 import iteration
 iteration.predict_velocity = forward
 ocr_reward.brightness = failing("score", ocr_reward.brightness)
-rollout.load_pipeline = failing("load", rollout.load_pipeline)
+sd3.load_pipeline = failing("load", sd3.load_pipeline)
 sys.argv = [script, *sys.argv[4:]]
 runpy.run_path(script, run_name="__main__")
 """

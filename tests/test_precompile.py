@@ -15,11 +15,12 @@ import torch
 
 import precompile
 import rollout
+import sd3
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("model", [rollout.RANDOM_MEDIUM, rollout.TINY])
+@pytest.mark.parametrize("model", [sd3.RANDOM_MEDIUM, sd3.TINY])
 def test_the_smallest_transformer_has_every_block_kind_of_the_model(model):
     """block_kinds reads diffusers' blocks right, and smallest_config keeps one block of each kind, in order: SD3.5-M's
     24 blocks (13 with dual attention, 10 plain, the last) become 3; SD3's (no dual attention) would become 2."""
@@ -34,7 +35,7 @@ def test_the_smallest_transformer_has_every_block_kind_of_the_model(model):
     assert kinds_of_blocks(config) == precompile.block_kinds(config)
     smallest = precompile.smallest_config(config)
     assert kinds_of_blocks(smallest) == list(dict.fromkeys(precompile.block_kinds(config)))
-    assert smallest["num_layers"] == {rollout.RANDOM_MEDIUM: 3, rollout.TINY: 2}[model]
+    assert smallest["num_layers"] == {sd3.RANDOM_MEDIUM: 3, sd3.TINY: 2}[model]
     no_dual = precompile.smallest_config({**config, "dual_attention_layers": ()})
     assert kinds_of_blocks(no_dual) == [(False, False), (False, True)]
 
@@ -61,9 +62,9 @@ def test_workers_compile_the_graphs_that_the_trainer_then_finds_in_the_caches(tm
     and backward) is a cache hit, none compiles."""
     from diffusers import StableDiffusion3Pipeline
 
-    config = {**rollout.TINY_CONFIG, "transformer": {**rollout.TINY_CONFIG["transformer"], "num_layers": 3,
+    config = {**sd3.TINY_CONFIG, "transformer": {**sd3.TINY_CONFIG["transformer"], "num_layers": 3,
                                                      "dual_attention_layers": (0, 1)}}
-    StableDiffusion3Pipeline(**rollout._build_components(config)).save_pretrained(tmp_path / "model")
+    StableDiffusion3Pipeline(**sd3._build_components(config)).save_pretrained(tmp_path / "model")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the worker inherits it
     job = {"adapter": "policy", "grad": True, "rows": 3}
     workers = precompile.Precompile([job], str(tmp_path / "model"), "cpu", torch.float32, lora=(4, 8), resolution=64)
@@ -75,14 +76,14 @@ def test_workers_compile_the_graphs_that_the_trainer_then_finds_in_the_caches(tm
     workers.wait()
 
     trainer = f"""
-import json, torch, rollout
+import json, torch, lora_adapters, rollout, sd3
 from torch._dynamo.utils import counters
-transformer = rollout.load_pipeline({str(tmp_path / "model")!r}).transformer
-rollout.add_lora_adapters(transformer, 4, 8)
+transformer = sd3.load_pipeline({str(tmp_path / "model")!r}).transformer
+lora_adapters.add_lora_adapters(transformer, 4, 8)
 rollout.compile_blocks(transformer)
 rows, config = 3, transformer.config
 latents, embeds = torch.randn(rows, 16, 8, 8), torch.randn(rows, 333, config.joint_attention_dim)
-with rollout.use_adapter(transformer, "policy"):
+with lora_adapters.use_adapter(transformer, "policy"):
     v = rollout.predict_velocity(transformer, latents, torch.full((rows,), 500.0), embeds,
                                  torch.randn(rows, config.pooled_projection_dim))
 v.square().mean().backward()

@@ -16,8 +16,10 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 
+import lora_adapters
 import precompile
 import rollout
+import sd3
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ['a sign that says "hello"', 'a poster with "CRD 2026" on it']
@@ -27,14 +29,14 @@ T5_TOKENS = 32  # holds the prompts here (at most 30 characters, a token each in
 
 def embed(pipe, n=2):
     """Embeddings of n images, cycling through PROMPTS."""
-    return rollout.encode_prompts(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(n)], T5_TOKENS)
+    return sd3.encode_prompts(pipe, [PROMPTS[i % len(PROMPTS)] for i in range(n)], T5_TOKENS)
 
 
 @pytest.fixture
 def lora_pipe(tiny_model_dir):
     """A fresh tiny pipe with the three adapters (rank 4, alpha 8: a LoRA scale of 2, as in the recipe)."""
-    pipe = rollout.load_pipeline(str(tiny_model_dir))
-    rollout.add_lora_adapters(pipe.transformer, rank=4, alpha=8)
+    pipe = sd3.load_pipeline(str(tiny_model_dir))
+    lora_adapters.add_lora_adapters(pipe.transformer, rank=4, alpha=8)
     return pipe
 
 
@@ -42,7 +44,7 @@ def perturb(transformer, name, seed=0):
     """Give adapter `name` random non-zero weights (a fresh LoRA has B = 0, i.e. it is the identity)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in rollout.lora_parameters(transformer, name):
+        for p in lora_adapters.lora_parameters(transformer, name):
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
@@ -54,7 +56,7 @@ def active_velocity(pipe):
 
 def velocity(pipe, name="policy"):
     """active_velocity with adapter `name` (None: the base model)."""
-    with rollout.use_adapter(pipe.transformer, name):
+    with lora_adapters.use_adapter(pipe.transformer, name):
         return active_velocity(pipe)
 
 
@@ -75,7 +77,7 @@ def compiling():
 @pytest.mark.parametrize("cfg", [1.0, 4.5])
 def test_sample_matches_diffusers_pipeline(tiny_pipe, cfg):
     embeds, pooled = embed(tiny_pipe, 3)
-    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe, T5_TOKENS)
+    neg, neg_pooled = sd3.negative_embeddings(tiny_pipe, T5_TOKENS)
     seeds = [11, 12, 13]
     out = rollout.sample(tiny_pipe, embeds, pooled, seeds, num_steps=6, guidance_scale=cfg, height=H, width=W)
     latents = rollout.initial_latents(seeds, (16, H // 8, W // 8), "cpu", torch.float32)
@@ -151,7 +153,7 @@ def test_initial_latents_per_seed():
 def test_predict_velocity_cfg_is_one_batch_of_unc_and_cond(tiny_pipe):
     transformer = tiny_pipe.transformer
     embeds, pooled = embed(tiny_pipe)
-    neg, neg_pooled = rollout.negative_embeddings(tiny_pipe, T5_TOKENS)
+    neg, neg_pooled = sd3.negative_embeddings(tiny_pipe, T5_TOKENS)
     x = rollout.initial_latents([0, 1], (16, 8, 8), "cpu", torch.float32)
     t = torch.tensor([900.0, 300.0])
     v_cond = rollout.predict_velocity(transformer, x, t, embeds, pooled)
@@ -175,15 +177,15 @@ def test_encode_prompts_shapes_and_dedupe(tiny_pipe, monkeypatch):
         return encode_prompt(prompt, *args, **kwargs)
 
     monkeypatch.setattr(tiny_pipe, "encode_prompt", spy)
-    embeds, pooled = rollout.encode_prompts(tiny_pipe, ["a", "b", "a"])
+    embeds, pooled = sd3.encode_prompts(tiny_pipe, ["a", "b", "a"])
     assert calls == [["a", "b"]]
     assert embeds.shape == (3, 77 + 256, 32) and pooled.shape == (3, 32)
     for i, prompt in enumerate(["a", "b", "a"]):
-        alone, alone_pooled = rollout.encode_prompts(tiny_pipe, [prompt])
+        alone, alone_pooled = sd3.encode_prompts(tiny_pipe, [prompt])
         torch.testing.assert_close(embeds[i : i + 1], alone, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(pooled[i : i + 1], alone_pooled, atol=1e-6, rtol=1e-6)
     assert not torch.allclose(embeds[0], embeds[1])
-    assert rollout.encode_prompts(tiny_pipe, ["a"], max_sequence_length=32)[0].shape == (1, 77 + 32, 32)
+    assert sd3.encode_prompts(tiny_pipe, ["a"], max_sequence_length=32)[0].shape == (1, 77 + 32, 32)
 
 
 def test_expected_prompt_cuts_are_not_logged(tiny_pipe):
@@ -196,7 +198,7 @@ def test_expected_prompt_cuts_are_not_logged(tiny_pipe):
     for logger in loggers:
         logger.addHandler(handler)
     try:
-        rollout.encode_prompts(tiny_pipe, [long_prompt * 2] * 2, max_sequence_length=32)
+        sd3.encode_prompts(tiny_pipe, [long_prompt * 2] * 2, max_sequence_length=32)
         assert notices == []
         tiny_pipe.encode_prompt([long_prompt * 3], None, None, do_classifier_free_guidance=False, max_sequence_length=32)
         assert any("truncated because CLIP" in n for n in notices)  # the pipeline's own notices are back afterwards
@@ -210,21 +212,21 @@ def test_a_target_beyond_the_t5_cut_is_warned_once_with_its_file_and_line(tiny_p
                {"prompt": "far away" * 5 + ' a sign "Late"', "target": "Late", "source": "p.txt:2"},
                {"prompt": "far away" * 6 + ' a sign "Later"', "target": "Later", "source": "p.txt:3"},
                {"prompt": "a sign", "target": "not in the prompt", "source": "p.jsonl:1"}]
-    rollout.warn_cut_targets(records, tiny_pipe, max_sequence_length=32)
+    sd3.warn_cut_targets(records, tiny_pipe, max_sequence_length=32)
     (warning,) = caplog.records
     assert warning.levelname == "WARNING" and warning.getMessage().startswith(
         "p.txt:2: the target 'Late' lies beyond the first 32 T5 tokens of its prompt")
     assert warning.getMessage().endswith("; 2 prompt(s) like it")
     caplog.clear()
-    rollout.warn_cut_targets(records, tiny_pipe, max_sequence_length=256)
-    rollout.warn_cut_targets(records[3:], tiny_pipe, max_sequence_length=4)
+    sd3.warn_cut_targets(records, tiny_pipe, max_sequence_length=256)
+    sd3.warn_cut_targets(records[3:], tiny_pipe, max_sequence_length=4)
     assert not caplog.records
 
 
 def test_no_torchvision_notice_at_import():
     """transformers' notice that its image processors fall back to PIL without torchvision (as on CI) is silenced: it
-    comes with the import of diffusers' SD3 pipeline, which rollout imports where it loads or builds one."""
-    result = subprocess.run([sys.executable, "-c", "import rollout; from diffusers import StableDiffusion3Pipeline"],
+    comes with the import of diffusers' SD3 pipeline, which sd3 imports where it loads or builds one."""
+    result = subprocess.run([sys.executable, "-c", "import sd3; from diffusers import StableDiffusion3Pipeline"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert "torchvision" not in result.stderr, result.stderr
 
@@ -238,9 +240,9 @@ def test_entry_points_import_no_model_library():
 
 
 def test_negative_embeddings_cached(tiny_pipe, monkeypatch):
-    first = rollout.negative_embeddings(tiny_pipe, 64)
-    monkeypatch.setattr(rollout, "encode_prompts", lambda *a, **k: pytest.fail("negative prompt encoded twice"))
-    second = rollout.negative_embeddings(tiny_pipe, 64)
+    first = sd3.negative_embeddings(tiny_pipe, 64)
+    monkeypatch.setattr(sd3, "encode_prompts", lambda *a, **k: pytest.fail("negative prompt encoded twice"))
+    second = sd3.negative_embeddings(tiny_pipe, 64)
     assert first[0] is second[0] and first[0].shape == (1, 77 + 64, 32) and first[1].shape == (1, 32)
 
 
@@ -251,19 +253,19 @@ def test_adapters_layout_and_trainability(lora_pipe):
     transformer = lora_pipe.transformer
     blocks = transformer.config.num_layers
     for name in ["policy", "old", "sampling"]:
-        params = rollout.lora_parameters(transformer, name)
+        params = lora_adapters.lora_parameters(transformer, name)
         assert len(params) == 2 * (8 * blocks - 1)  # A and B; the last block has no to_add_out (context_pre_only)
         assert all(p.dtype == torch.float32 for p in params)
     names = [n for n, p in transformer.named_parameters() if p.requires_grad]
     assert names and all(".policy." in n for n in names)
     trainable = {id(p) for p in transformer.parameters() if p.requires_grad}
-    assert {id(p) for p in rollout.lora_parameters(transformer)} == trainable
+    assert {id(p) for p in lora_adapters.lora_parameters(transformer)} == trainable
     lora_modules = [n for n, _ in transformer.named_modules() if n.endswith("lora_A")]
     assert lora_modules and not any("attn2" in n for n in lora_modules)  # SD3.5's dual attention is not adapted
     assert any("attn2" in n for n, _ in transformer.named_modules())
-    policy = rollout.lora_state_dict(transformer, "policy")
+    policy = lora_adapters.lora_state_dict(transformer, "policy")
     for name in ["old", "sampling"]:
-        other = rollout.lora_state_dict(transformer, name)
+        other = lora_adapters.lora_state_dict(transformer, name)
         assert other.keys() == policy.keys()
         assert all(torch.equal(other[k], policy[k]) for k in policy)
 
@@ -287,14 +289,14 @@ def test_use_adapter_switches_outputs_not_requires_grad(lora_pipe):
     torch.testing.assert_close(velocity(lora_pipe, None), base, atol=0, rtol=0)
     torch.testing.assert_close(velocity(lora_pipe, "old"), base, atol=0, rtol=0)
     torch.testing.assert_close(active_velocity(lora_pipe), policy, atol=0, rtol=0)  # policy is active by default
-    with rollout.use_adapter(transformer, None):
-        with rollout.use_adapter(transformer, "policy"):
+    with lora_adapters.use_adapter(transformer, None):
+        with lora_adapters.use_adapter(transformer, "policy"):
             assert {n: p.requires_grad for n, p in transformer.named_parameters()} == grads
         torch.testing.assert_close(active_velocity(lora_pipe), base, atol=0, rtol=0)  # the outer state is back
     torch.testing.assert_close(active_velocity(lora_pipe), policy, atol=0, rtol=0)
     assert {n: p.requires_grad for n, p in transformer.named_parameters()} == grads
     with pytest.raises(ValueError, match="unknown adapter"):
-        with rollout.use_adapter(transformer, "polcy"):
+        with lora_adapters.use_adapter(transformer, "polcy"):
             pass
 
 
@@ -303,8 +305,8 @@ def test_gradients_reach_only_the_policy(lora_pipe):
     perturb(transformer, "policy")
     velocity(lora_pipe, "policy").square().mean().backward()
     dead = f"transformer_blocks.{transformer.config.num_layers - 1}.attn.add_q_proj"  # the last block drops its text
-    keys = rollout.lora_state_dict(transformer, "policy")  # same order as lora_parameters
-    for name, p in zip(keys, rollout.lora_parameters(transformer, "policy")):
+    keys = lora_adapters.lora_state_dict(transformer, "policy")  # same order as lora_parameters
+    for name, p in zip(keys, lora_adapters.lora_parameters(transformer, "policy")):
         assert p.grad is not None and (p.grad.abs().sum() > 0 or name.startswith(dead)), name
     assert all(p.grad is None for n, p in transformer.named_parameters() if ".policy." not in n)
 
@@ -321,9 +323,9 @@ def test_compiled_blocks_match_eager_with_one_graph_per_block_kind_and_grad_mode
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(0)
-    config = {**rollout.TINY_CONFIG["transformer"], "num_layers": 3, "dual_attention_layers": (0, 1)}
+    config = {**sd3.TINY_CONFIG["transformer"], "num_layers": 3, "dual_attention_layers": (0, 1)}
     transformer = SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16, **config)
-    rollout.add_lora_adapters(transformer, rank=4, alpha=8)
+    lora_adapters.add_lora_adapters(transformer, rank=4, alpha=8)
     for seed, name in enumerate(("policy", "old", "sampling")):
         perturb(transformer, name, seed)
     gen = torch.Generator().manual_seed(0)
@@ -335,12 +337,12 @@ def test_compiled_blocks_match_eager_with_one_graph_per_block_kind_and_grad_mode
         out = {}
         with torch.no_grad():
             for name, n in (("sampling", 2), (None, 2), ("old", 2), ("sampling", 3), (None, 3)):
-                with rollout.use_adapter(transformer, name):
+                with lora_adapters.use_adapter(transformer, name):
                     out[name, n] = rollout.predict_velocity(transformer, inputs[n][0], 500.0, *inputs[n][1:])
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        with rollout.use_adapter(transformer, "policy"):
+        with lora_adapters.use_adapter(transformer, "policy"):
             loss = rollout.predict_velocity(transformer, inputs[3][0], 500.0, *inputs[3][1:]).square().mean()
-            grads = torch.autograd.grad(loss, rollout.lora_parameters(transformer, "policy"), allow_unused=True)
+            grads = torch.autograd.grad(loss, lora_adapters.lora_parameters(transformer, "policy"), allow_unused=True)
         out["gradient"] = torch.cat([g.flatten() for g in grads if g is not None])
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         return out
@@ -399,7 +401,7 @@ def test_compiled_decoder_decodes_like_eager():
     kernels to compile; random weights in every branch (the tiny model zeroes the residual ones)."""
     from diffusers import AutoencoderKL
 
-    config = precompile.model_configs(rollout.TINY)[1]
+    config = precompile.model_configs(sd3.TINY)[1]
     levels = ("block_out_channels", "down_block_types", "up_block_types")
     two_levels = {key: config[key][:2] for key in levels}
     torch.manual_seed(0)
@@ -450,24 +452,24 @@ def test_compiled_decoder_silences_only_diffusers_expected_lru_cache_warnings(ti
 
 
 def test_lora_tensors_stay_float32_on_bf16_base(tiny_model_dir):
-    transformer = rollout.load_pipeline(str(tiny_model_dir), dtype=torch.bfloat16).transformer
-    rollout.add_lora_adapters(transformer, rank=4, alpha=8)
+    transformer = sd3.load_pipeline(str(tiny_model_dir), dtype=torch.bfloat16).transformer
+    lora_adapters.add_lora_adapters(transformer, rank=4, alpha=8)
     assert transformer.dtype == torch.bfloat16
     for name in ["policy", "old", "sampling"]:
-        assert all(p.dtype == torch.float32 for p in rollout.lora_parameters(transformer, name))
+        assert all(p.dtype == torch.float32 for p in lora_adapters.lora_parameters(transformer, name))
 
 
 def test_lora_state_dict_roundtrip(lora_pipe):
     transformer = lora_pipe.transformer
     perturb(transformer, "policy")
-    state = {k: v.clone() for k, v in rollout.lora_state_dict(transformer, "policy").items()}
+    state = {k: v.clone() for k, v in lora_adapters.lora_state_dict(transformer, "policy").items()}
     assert all(".policy." not in k for k in state) and list(state)[0].endswith("lora_A.weight")
-    sampling = rollout.lora_parameters(transformer, "sampling")
-    rollout.load_lora_state_dict(transformer, "sampling", state)
-    assert all(a is b for a, b in zip(sampling, rollout.lora_parameters(transformer, "sampling")))  # in place
+    sampling = lora_adapters.lora_parameters(transformer, "sampling")
+    lora_adapters.load_lora_state_dict(transformer, "sampling", state)
+    assert all(a is b for a, b in zip(sampling, lora_adapters.lora_parameters(transformer, "sampling")))  # in place
     torch.testing.assert_close(velocity(lora_pipe, "sampling"), velocity(lora_pipe, "policy"), atol=0, rtol=0)
     with pytest.raises(KeyError):
-        rollout.load_lora_state_dict(transformer, "old", dict(list(state.items())[1:]))
+        lora_adapters.load_lora_state_dict(transformer, "old", dict(list(state.items())[1:]))
 
 
 def test_ema_update_matches_hand_computation(lora_pipe):
@@ -475,24 +477,24 @@ def test_ema_update_matches_hand_computation(lora_pipe):
     perturb(transformer, "policy", seed=1)
     perturb(transformer, "old", seed=2)
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
-    rollout.ema_update_(transformer, "old", "policy", 0.9)
+    lora_adapters.ema_update_(transformer, "old", "policy", 0.9)
     after = transformer.state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed and all(".old." in k for k in changed)
     for k in changed:
         expected = 0.9 * before[k] + 0.1 * before[k.replace(".old.", ".policy.")]
         torch.testing.assert_close(after[k], expected, atol=1e-7, rtol=1e-6)
-    rollout.ema_update_(transformer, "sampling", "policy", 0.0)  # decay 0 is an exact copy
-    assert all(torch.equal(a, b) for a, b in zip(rollout.lora_parameters(transformer, "sampling"),
-                                                  rollout.lora_parameters(transformer, "policy")))
+    lora_adapters.ema_update_(transformer, "sampling", "policy", 0.0)  # decay 0 is an exact copy
+    assert all(torch.equal(a, b) for a, b in zip(lora_adapters.lora_parameters(transformer, "sampling"),
+                                                  lora_adapters.lora_parameters(transformer, "policy")))
 
 
 def test_exported_lora_loads_in_diffusers(lora_pipe, tiny_model_dir, tmp_path):
     transformer = lora_pipe.transformer
     perturb(transformer, "policy")
     perturb(transformer, "sampling", seed=5)  # must not leak into the export
-    rollout.export_lora(transformer, "policy", tmp_path)
-    assert len(load_file(tmp_path / "pytorch_lora_weights.safetensors")) == len(rollout.lora_parameters(transformer))
+    lora_adapters.export_lora(transformer, "policy", tmp_path)
+    assert len(load_file(tmp_path / "pytorch_lora_weights.safetensors")) == len(lora_adapters.lora_parameters(transformer))
     fresh = StableDiffusion3Pipeline.from_pretrained(tiny_model_dir)
     fresh.load_lora_weights(tmp_path)
     embeds, pooled = embed(lora_pipe)
@@ -500,7 +502,7 @@ def test_exported_lora_loads_in_diffusers(lora_pipe, tiny_model_dir, tmp_path):
     torch.testing.assert_close(rollout.predict_velocity(fresh.transformer, x, 700.0, embeds, pooled),
                                velocity(lora_pipe, "policy"), atol=1e-5, rtol=1e-5)
     run = dict(num_steps=4, guidance_scale=4.5, height=H, width=W, decode=False)
-    with rollout.use_adapter(transformer, "policy"):
+    with lora_adapters.use_adapter(transformer, "policy"):
         ours = rollout.sample(lora_pipe, embeds, pooled, [0, 1], **run)["latents"]
     theirs = rollout.sample(fresh, embeds, pooled, [0, 1], **run)["latents"]
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
@@ -511,14 +513,14 @@ def test_exported_lora_loads_in_diffusers(lora_pipe, tiny_model_dir, tmp_path):
 
 def test_tiny_is_deterministic_and_cached(tmp_path, tiny_pipe, monkeypatch):
     monkeypatch.setenv("CRD_CACHE", str(tmp_path))
-    pipe = rollout.load_pipeline(rollout.TINY)  # a second, independent build
-    assert (tmp_path / rollout.TINY_DIR_NAME / "model_index.json").exists()
-    assert [p.name for p in tmp_path.iterdir()] == [rollout.TINY_DIR_NAME]  # no temporary build directory left behind
+    pipe = sd3.load_pipeline(sd3.TINY)  # a second, independent build
+    assert (tmp_path / sd3.TINY_DIR_NAME / "model_index.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [sd3.TINY_DIR_NAME]  # no temporary build directory left behind
     for name in ["transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"]:
         ours, theirs = getattr(pipe, name).state_dict(), getattr(tiny_pipe, name).state_dict()
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
-    monkeypatch.setattr(rollout, "_build_components", lambda config: pytest.fail("tiny model rebuilt"))
-    again = rollout.load_pipeline(rollout.TINY)
+    monkeypatch.setattr(sd3, "_build_components", lambda config: pytest.fail("tiny model rebuilt"))
+    again = sd3.load_pipeline(sd3.TINY)
     assert torch.equal(next(again.transformer.parameters()), next(pipe.transformer.parameters()))
     assert not any(p.requires_grad for p in again.transformer.parameters())
 
@@ -532,7 +534,7 @@ def test_tiny_build_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(StableDiffusion3Pipeline, "save_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        rollout.load_pipeline(rollout.TINY, cache_dir=path)
+        sd3.load_pipeline(sd3.TINY, cache_dir=path)
     assert list(tmp_path.iterdir()) == []  # nothing half-written to pick up later
 
     def concurrent(self, directory, **kwargs):  # another process finishes while this one is still building
@@ -540,13 +542,13 @@ def test_tiny_build_is_atomic(tmp_path, monkeypatch):
         save(self, directory, **kwargs)
 
     monkeypatch.setattr(StableDiffusion3Pipeline, "save_pretrained", concurrent)
-    rollout.load_pipeline(rollout.TINY, cache_dir=path)
+    sd3.load_pipeline(sd3.TINY, cache_dir=path)
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-sd3"]
 
 
 def test_an_empty_crd_cache_is_the_default_not_the_current_directory(monkeypatch):
     monkeypatch.setenv("CRD_CACHE", "")
-    assert rollout.cache_root() == Path.home() / ".cache" / "crd"
+    assert sd3.cache_root() == Path.home() / ".cache" / "crd"
 
 
 def test_crd_cache_naming_a_file_is_one_line(tmp_path, monkeypatch):
@@ -556,22 +558,22 @@ def test_crd_cache_naming_a_file_is_one_line(tmp_path, monkeypatch):
     for cache, problem in ((taken, "not a directory"), (taken / "sub", "Not a directory")):
         monkeypatch.setenv("CRD_CACHE", str(cache))
         with pytest.raises(RuntimeError, match=f"^CRD_CACHE {re.escape(str(cache))}: {problem} {role}$"):
-            rollout.load_pipeline(rollout.TINY)
+            sd3.load_pipeline(sd3.TINY)
 
 
 def test_a_resolution_beyond_the_position_embedding_is_named(tiny_pipe):
     """What the trainers and evaluate.py print after loading the model, rather than diffusers' error at the first
     sample (the tiny model: 64 patches of 2 x 8 px a side)."""
-    assert rollout.resolution_error(tiny_pipe, 1024) is None
-    assert rollout.resolution_error(tiny_pipe, 1040) == (
+    assert sd3.resolution_error(tiny_pipe, 1024) is None
+    assert sd3.resolution_error(tiny_pipe, 1040) == (
         "--resolution 1040: this model generates at most 1024 px (pos_embed_max_size 64 x patch 2 x VAE 8)")
 
 
 def test_random_medium_beyond_the_cpus_memory_is_one_line_not_a_killed_process(tmp_path):
     """In a subprocess: without the check, building 29.5 GiB of float32 weights gets it killed by the kernel."""
-    if rollout.random_medium_memory_error(torch.float32) is None:
+    if sd3.random_medium_memory_error(torch.float32) is None:
         pytest.skip("this machine holds SD3.5-M in float32")
-    result = subprocess.run([sys.executable, "crd.py", "--model", rollout.RANDOM_MEDIUM, "--device", "cpu",
+    result = subprocess.run([sys.executable, "crd.py", "--model", sd3.RANDOM_MEDIUM, "--device", "cpu",
                              "--reward", "brightness", "--train-data", "tests/data/ocr/train.txt",
                              "--eval-data", "tests/data/ocr/test.txt", "--output-dir", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -581,7 +583,7 @@ def test_random_medium_beyond_the_cpus_memory_is_one_line_not_a_killed_process(t
 
 
 def test_random_medium_has_sd35_medium_size():
-    pipe = rollout.load_pipeline(rollout.RANDOM_MEDIUM, device="meta", dtype=torch.bfloat16)
+    pipe = sd3.load_pipeline(sd3.RANDOM_MEDIUM, device="meta", dtype=torch.bfloat16)
 
     def count(module):
         return sum(p.numel() for p in module.parameters())
@@ -599,12 +601,12 @@ def test_random_medium_has_sd35_medium_size():
 def test_missing_local_model_has_clear_error(tmp_path):
     for missing in (str(tmp_path / "no-such-model"), "./no-such-model", "~/no-such-model", "a/b/c"):
         with pytest.raises(RuntimeError, match=f"^--model {missing}: no such directory$"):
-            rollout.load_pipeline(missing)
+            sd3.load_pipeline(missing)
     with pytest.raises(RuntimeError, match="no model_index.json in this directory"):
-        rollout.load_pipeline(str(tmp_path))
+        sd3.load_pipeline(str(tmp_path))
     (tmp_path / "model_index.json").write_text("{}")  # a directory that claims to be a pipeline: diffusers' error
     with pytest.raises(RuntimeError, match="could not load the SD3 model") as info:
-        rollout.load_pipeline(str(tmp_path))
+        sd3.load_pipeline(str(tmp_path))
     assert info.value.__cause__ is not None and "hf auth login" not in str(info.value)  # a local directory
 
 
@@ -612,7 +614,7 @@ def test_dry_run_names_a_component_folder_the_model_lacks(tiny_model_dir, tmp_pa
     """A copy of the tiny pipeline without transformer/ (model_index.json lists it): --dry-run
     names that folder in one line, as the real run would, instead of accepting the directory."""
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
-    rollout.check_model_path(str(model))  # whole, it passes: null entries (image_encoder) need none
+    sd3.check_model_path(str(model))  # whole, it passes: null entries (image_encoder) need none
     shutil.rmtree(model / "transformer")
     data = ROOT / "tests" / "data" / "ocr"
     result = subprocess.run([sys.executable, "crd.py", "--model", str(model), "--reward", "brightness",
@@ -625,11 +627,11 @@ def test_dry_run_names_a_component_folder_the_model_lacks(tiny_model_dir, tmp_pa
     with pytest.raises(RuntimeError, match=re.escape(
             f"--model {model}: no transformer/, vae/ folders: model_index.json lists them as the "
             "pipeline's SD3Transformer2DModel, AutoencoderKL")):
-        rollout.load_pipeline(str(model))
+        sd3.load_pipeline(str(model))
     (model / "model_index.json").write_text("{")
     with pytest.raises(RuntimeError, match=f"^--model {re.escape(str(model))}: model_index.json "
                                            "cannot be read"):
-        rollout.load_pipeline(str(model))
+        sd3.load_pipeline(str(model))
 
 
 def test_a_damaged_model_file_is_named(tiny_model_dir, tmp_path):
@@ -637,15 +639,15 @@ def test_a_damaged_model_file_is_named(tiny_model_dir, tmp_path):
     weights = model / "text_encoder_3" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(RuntimeError, match=f"could not load the SD3 model .*: {re.escape(str(weights))}: Error while"):
-        rollout.load_pipeline(str(model))
+        sd3.load_pipeline(str(model))
     model = shutil.copytree(tiny_model_dir, tmp_path / "model2")
     (model / "transformer" / "config.json").write_text("{")
     with pytest.raises(RuntimeError, match=re.escape(f"config file at '{model}/transformer/config.json' is not a valid")):
-        rollout.load_pipeline(str(model))
+        sd3.load_pipeline(str(model))
 
 
 def test_text_encoders_go_to_their_own_device(tiny_model_dir):
-    pipe = rollout.load_pipeline(str(tiny_model_dir), "cpu", text_encoder_device="meta")  # meta: a second device here
+    pipe = sd3.load_pipeline(str(tiny_model_dir), "cpu", text_encoder_device="meta")  # meta: a second device here
     assert {pipe.text_encoder.device.type, pipe.text_encoder_2.device.type, pipe.text_encoder_3.device.type} == {"meta"}
     assert pipe.transformer.device.type == pipe.vae.device.type == "cpu"
 
@@ -654,7 +656,7 @@ def test_hub_model_offline_has_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once at import
     with pytest.raises(RuntimeError, match="hf auth login"):
-        rollout.load_pipeline("crd-tests/no-such-sd3-model")
+        sd3.load_pipeline("crd-tests/no-such-sd3-model")
 
 
 @pytest.mark.parametrize("guidance, max_batch_size, expected", [
@@ -663,8 +665,8 @@ def test_hub_model_offline_has_clear_error(monkeypatch):
 def test_predict_velocity_transformer_calls(tiny_pipe, guidance, max_batch_size, expected):
     """The rows each transformer call gets (a CFG image takes two): as few calls as the limit allows, as equal as can
     be (no small remainder call), and the same velocities as one call."""
-    embeds, pooled = rollout.encode_prompts(tiny_pipe, ["a", "b", "c", "d", "e"], T5_TOKENS)
-    negative = rollout.negative_embeddings(tiny_pipe, T5_TOKENS)
+    embeds, pooled = sd3.encode_prompts(tiny_pipe, ["a", "b", "c", "d", "e"], T5_TOKENS)
+    negative = sd3.negative_embeddings(tiny_pipe, T5_TOKENS)
     latents = torch.randn(5, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     rows = []
     hook = tiny_pipe.transformer.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["hidden_states"].shape[0]),

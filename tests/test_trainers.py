@@ -21,9 +21,11 @@ import checkpoint
 import crd
 from data import load_prompts
 import dgpo
+import lora_adapters
 import nft
-import rollout
 from ocr_server import ocr_server
+import rollout
+import sd3
 from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,17 +147,17 @@ def test_logged_decays_follow_each_algorithms_schedule(three_iteration_runs):
 def test_exported_lora_loads_in_diffusers_and_matches_the_trainer(three_iterations, tiny_model_dir):
     _, run = three_iterations
     checkpoint = run / "global_step_3"
-    trainer = rollout.load_pipeline(str(tiny_model_dir))
-    rollout.add_lora_adapters(trainer.transformer)
+    trainer = sd3.load_pipeline(str(tiny_model_dir))
+    lora_adapters.add_lora_adapters(trainer.transformer)
     adapters = load_file(checkpoint / "adapters.safetensors")
     policy = {k.removeprefix("policy."): v for k, v in adapters.items() if k.startswith("policy.")}
     assert any(v.abs().max() > 0 for k, v in policy.items() if "lora_B" in k)  # it trained
-    rollout.load_lora_state_dict(trainer.transformer, "policy", policy)
+    lora_adapters.load_lora_state_dict(trainer.transformer, "policy", policy)
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_model_dir)
     pipe.load_lora_weights(checkpoint / "policy_lora")
-    embeds, pooled = rollout.encode_prompts(pipe, ['a sign that reads "Hello"'] * 2)
+    embeds, pooled = sd3.encode_prompts(pipe, ['a sign that reads "Hello"'] * 2)
     latents, t = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor(700.0)
-    with torch.no_grad(), rollout.use_adapter(trainer.transformer, "policy"):
+    with torch.no_grad(), lora_adapters.use_adapter(trainer.transformer, "policy"):
         ours = rollout.predict_velocity(trainer.transformer, latents, t, embeds, pooled)
     with torch.no_grad():
         theirs = rollout.predict_velocity(pipe.transformer, latents, t, embeds, pooled)
@@ -225,9 +227,9 @@ def test_resume_with_safe_changes_prints_them_and_continues(three_iteration_runs
 
 
 def test_interrupted_checkpoint_is_never_picked_up(tmp_path, tiny_model_dir, monkeypatch):
-    pipe = rollout.load_pipeline(str(tiny_model_dir))
-    rollout.add_lora_adapters(pipe.transformer, 4, 4)
-    optimizer = torch.optim.AdamW(rollout.lora_parameters(pipe.transformer))
+    pipe = sd3.load_pipeline(str(tiny_model_dir))
+    lora_adapters.add_lora_adapters(pipe.transformer, 4, 4)
+    optimizer = torch.optim.AdamW(lora_adapters.lora_parameters(pipe.transformer))
     checkpoint.save_checkpoint(tmp_path, 1, pipe.transformer, optimizer, {"iteration": 1}, keep_last=2)
 
     def killed(*args, **kwargs):

@@ -6,7 +6,7 @@
    (16 latent channels, 8x down, like SD3's), then records each image's latent distribution once.
 2. Trains an SD3Transformer2DModel with rectified flow on those latents (logit-normal t, 10% empty prompts so that
    CFG works), jointly with the pipeline's own CLIP-L, CLIP-G and T5 encoders (per-character tokenizers, as in
-   rollout.py's tiny model): letter identity and order reach the image only through them.
+   sd3.py's tiny model): letter identity and order reach the image only through them.
 3. Every `eval_every` steps, samples the validation words at the benchmark's validation protocol (CFG
    `validation_guidance`, `validation_steps` steps; by default CFG 1, 40 steps, as Flow-Factory's CRD example
    validates), at the trainers' rollout protocol (CFG 1, 10 steps) and at the recipe's (CFG 4.5, 40 steps), and
@@ -40,11 +40,12 @@ import torch.nn.functional as F
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import checkpoint  # noqa: E402
-import rollout  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
-from diffusers import StableDiffusion3Pipeline  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, prompt, render, split_words  # noqa: E402
+import checkpoint  # noqa: E402
+from diffusers import StableDiffusion3Pipeline  # noqa: E402
+import rollout  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
+import sd3  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
 
 # 15.5M parameters, 31 MB in bf16: small enough to carry between machines. No dual attention (SD3.5-M's extra
 # attention of the first blocks): the task needs none. clip_l + clip_g hidden sizes = the T5 width (SD3 pads CLIP to it).
@@ -59,7 +60,7 @@ PROXY_CONFIG = dict(
                 projection_dim=128, hidden_act="gelu", vocab_size=None),
     t5=dict(d_model=256, d_ff=512, num_layers=2, num_heads=4, d_kv=64, vocab_size=None, dropout_rate=0.0),
 )
-MODEL_CONFIGS = {"proxy": PROXY_CONFIG, "tiny": rollout.TINY_CONFIG}  # tiny: the CPU test's
+MODEL_CONFIGS = {"proxy": PROXY_CONFIG, "tiny": sd3.TINY_CONFIG}  # tiny: the CPU test's
 ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -76,7 +77,7 @@ class Args:
     task: Task = field(default_factory=Task)
     """what is rendered"""
     model: Literal["proxy", "tiny"] = "proxy"
-    """model size: proxy (15.5M parameters) or tiny (rollout.py's, for CPU tests)"""
+    """model size: proxy (15.5M parameters) or tiny (sd3.py's, for CPU tests)"""
     max_sequence_length: int = 32
     """T5 tokens; the trainers must run with the same --max-sequence-length"""
     vae_steps: int = 1500
@@ -303,11 +304,11 @@ def sample_and_score(pipe, embed, words: list[str], num_steps: int, guidance: fl
 def evaluate_saved(out: Path, words: list[str], args: Args, pool: OcrPool) -> dict:
     """PP-OCR of `words` with the saved directory loaded as the trainers load it (bf16 on CUDA), at both protocols."""
     device = torch.device(args.device)
-    pipe = rollout.load_pipeline(str(out), device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    pipe = sd3.load_pipeline(str(out), device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def embed(prompts):
-        return rollout.encode_prompts(pipe, prompts, args.max_sequence_length)
+        return sd3.encode_prompts(pipe, prompts, args.max_sequence_length)
 
     return {"words": len(words), **{name: float(sample_and_score(pipe, embed, words, n, g, args.task.resolution,
                                                                  pool, autocast)[0].mean())
@@ -349,7 +350,7 @@ def pretrain(args: Args) -> Path:
     generator = torch.Generator(device).manual_seed(args.seed)
     torch.manual_seed(args.seed)
     words = split_words(args.task, args.seed)
-    components = rollout._build_components(MODEL_CONFIGS[args.model])
+    components = sd3._build_components(MODEL_CONFIGS[args.model])
     modules = {k: v.to(device) for k, v in components.items() if isinstance(v, torch.nn.Module)}
     times = {}
 

@@ -61,14 +61,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-import checkpoint  # noqa: E402
-import rollout  # noqa: E402
 from benchmark.events import scalars as logged_scalars  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import (BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool,  # noqa: E402
                                           serve)
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
+import checkpoint  # noqa: E402
+import lora_adapters
+import sd3  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo", "nft")
 KL_ONLY = "klonly"  # the variant of --kl-only-control
@@ -321,14 +322,14 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
     closely. Each entry keeps every word's score too, in `words`' order: {"per_prompt": {protocol:
     [...]}}."""
     cuda = torch.cuda.is_available()
-    pipe = rollout.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+    pipe = sd3.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
 
     def embed(prompts):
-        return rollout.encode_prompts(pipe, prompts, max_sequence_length)
+        return sd3.encode_prompts(pipe, prompts, max_sequence_length)
 
     def at_protocols(adapter, named, prefix=""):
-        with rollout.use_adapter(pipe.transformer, adapter):
+        with lora_adapters.use_adapter(pipe.transformer, adapter):
             scores = {prefix + name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool,
                                                                autocast)[0]
                       for name, (g, n) in named.items()}
@@ -344,10 +345,10 @@ def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: Ocr
         if checkpoints:
             adapters, trained = checkpoint.read_adapters(checkpoints[-1])
             validated = validated_adapter(checkpoints[-1])
-            rollout.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
-            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters[validated])
+            lora_adapters.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
+            lora_adapters.load_lora_state_dict(pipe.transformer, adapter, adapters[validated])
             means, per_prompt = at_protocols(adapter, protocols)
-            rollout.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
+            lora_adapters.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
             policy_means, policy_per_prompt = at_protocols(adapter, validation, "policy_")
             scores[name] = {"checkpoint": checkpoints[-1].name, "adapter": validated,
                             **entry({**means, **policy_means}, {**per_prompt, **policy_per_prompt})}
