@@ -1,35 +1,20 @@
-"""Run directory, checkpoints, resume checks and run summaries shared by crd.py and dgpo.py (no algorithm logic).
+"""Checkpoints: `global_step_N/` written atomically and read back (the adapters, the optimizer, the sampler and
+the run's state), the state's fields checked, and the settings a resume may change (no algorithm logic).
 
-A run directory holds one run: its TensorBoard events, `global_step_N/` checkpoints (N = iterations done) and
-`summary.json`. A process owns it through an exclusive lock on `run.lock`, held for the process lifetime, so two live
-processes never share one; a directory that already holds a run is only continued by `--resume-from` its checkpoint,
-or replaced with `--overwrite`. `--resume-from latest` is the newest readable checkpoint of --output-dir/--run-name,
-or a new run where it has none (resolve_latest). A resume refuses settings that would change the run's math
-(`SAFE_TO_CHANGE_ON_RESUME` lists what may change). SIGTERM/SIGINT finish the iteration, save, and exit 128 + signal;
-a failed scorer stops the run before it trains on the failed iteration, saving the one before; the summary then says
-what stopped it, as it does when a checkpoint cannot be written (a full disk).
+A resume refuses settings that would change the run's math (`SAFE_TO_CHANGE_ON_RESUME` lists what may change) and
+prompt files whose contents changed; a checkpoint is written to a temporary directory renamed when complete, so a
+crash, Ctrl-C or a full disk never leaves half of one (a RunError names the latest complete checkpoint).
 """
 
-import fcntl
-import atexit
 import hashlib
 import io
-import itertools
 import json
 import os
 import pickle
-import re
-import resource
 import shutil
-import signal
-import sys
 import tempfile
-import time
-import zipfile
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
@@ -40,13 +25,11 @@ from lora_adapters import export_lora, load_lora_state_dict, lora_state_dict
 from reward_mix import parse_mix
 from settings import flat_settings
 
+
 ADAPTERS = ("policy", "old", "sampling")
 EVAL_SCORES = "eval_scores.jsonl"  # a run's per-prompt validation scores, a line a validation
-# what makes a directory hold a run
-RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json", EVAL_SCORES)
 # what a save writes: a global_step_N without one of them is no complete checkpoint
 CHECKPOINT_FILES = ("policy_lora", "adapters.safetensors", "optimizer.pt", "trainer_state.json")
-LATEST = "latest"  # --resume-from latest: the newest readable checkpoint of the run, or a new run
 
 # Every Args field not named here defines the run: a resume that changes it is refused, so a new algorithm field is
 # protected without being listed. These may change because the training continues the same trajectory with them:
@@ -192,303 +175,6 @@ def read_checkpoint_state(checkpoint):
     return state
 
 
-def prepare_run(args, algorithm, world_size, main_process):
-    """Before any model loads: the run directory, checked and (main process) locked, with a resume's checkpoint checked
-    (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
-    the checkpoint's. Returns (run directory, lock file to keep open or None)."""
-    check_directory_name("--run-name", args.run_name, "{run_name}")  # resolve_latest reads it
-    check_directory_name("--exp-name", args.exp_name, "{exp_name}__{reward}__{seed}__{unix time}")
-    latest = args.resume_from == LATEST
-    replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
-    resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
-    reward = args.scoring.reward.replace(" ", "+")  # a mix: qwen-vl=0.8+pickscore=0.2
-    default_name = f"{args.exp_name}__{reward}__{args.seed}__{int(time.time())}"
-    created = False
-    if args.resume_from or args.run_name:
-        run_dir = run_directory(args, default_name)
-    else:
-        create = main_process and not args.dry_run
-        run_dir, created = unused_directory(Path(args.output_dir), default_name, create)
-    if args.resume_from:
-        adapters = Path(args.resume_from) / "adapters.safetensors"
-        shapes = tensor_shapes(adapters)  # found before minutes of model loading
-        if not (Path(args.resume_from) / "optimizer.pt").is_file():
-            raise RunError(f"--resume-from {args.resume_from}: no optimizer.pt in this checkpoint")
-        if args.num_iterations < resumed["iteration"]:
-            raise RunError(f"--num-iterations {args.num_iterations}: {args.resume_from} has done {resumed['iteration']} "
-                           "iterations already")
-        refused, allowed = resume_changes(resumed, args, world_size, algorithm)
-        if refused:
-            raise RunError(f"--resume-from {args.resume_from}: settings that define the run differ from the "
-                           f"checkpoint's: {'; '.join(refused)} (resume with the checkpoint's values or start a new "
-                           "run)")
-        if error := adapters_error(shapes, args.lora_rank):  # the checkpoint's rank: another one is refused above
-            raise RunError(f"{adapters}: {error}")
-        recorded = resumed["data_sha256"]
-        for field, now in prompt_files_sha256(vars(args)).items():  # the checkpoint's paths: others are refused above
-            if recorded.get(field, now) != now:
-                raise RunError(f"{PROMPT_FILES[field]} {getattr(args, field)}: its contents changed since "
-                               f"{Path(args.resume_from).name} (sha256 {recorded[field][:12]}... then, {now[:12]}... "
-                               "now); a resume needs the same prompts (restore the file, or start a new run)")
-        if resumed["iteration"] == args.num_iterations:  # before the run directory is claimed: no new events file
-            raise RunComplete(f"{run_dir} is complete: its {Path(args.resume_from).name} has done all "
-                              f"{args.num_iterations} iterations (--num-iterations); to train it longer, resume it with "
-                              "a larger --num-iterations", 0 if latest else 1)
-        if allowed and main_process:
-            print(f"resuming with changed settings: {'; '.join(allowed)}", flush=True)
-    if not main_process:
-        return run_dir, None
-    if args.dry_run:  # checked, but neither created nor locked: the real run may start in a while
-        if blocked := directory_blocked(run_dir):
-            raise RunError(f"cannot create the run directory {run_dir}: {blocked}")
-        held_run(run_dir, bool(args.resume_from), args.overwrite or replace_unsaved)
-        return run_dir, None
-    replace = args.overwrite or replace_unsaved
-    return run_dir, claim_run_directory(run_dir, bool(args.resume_from), replace, created)
-
-
-def check_directory_name(flag, name, run_name):
-    """RunError unless a given --run-name or --exp-name (`flag`) is one path component: an absolute
-    one, or one with "/" or "..", would put the run outside --output-dir, where the run directory
-    is {output_dir}/`run_name`."""
-    if not name:  # not given: the default name
-        return
-    if not name.strip() or "/" in name or name in (".", ".."):
-        raise RunError(f"{flag} {name!r}: not a directory name (one path component, not \".\" or "
-                       f"\"..\"); the run directory is {{output_dir}}/{run_name}")
-
-
-def unused_directory(parent, name, create):
-    """(parent/name, or the first of parent/name__2, __3, ... that does not exist; whether this
-    call made it). Two runs started in the same second (a job array) then get one default name
-    each; with create, mkdir claims the name atomically, so two concurrent starts differ too."""
-    for count in itertools.count(1):
-        path = parent / (name if count == 1 else f"{name}__{count}")
-        if not create:
-            if not path.exists() and not path.is_symlink():
-                return path, False
-            continue
-        try:
-            path.mkdir(parents=True)
-        except FileExistsError:
-            continue
-        except OSError:  # claim_run_directory names the error
-            return path, False
-        return path, True
-
-
-def resolve_latest(args, main_process):
-    """--resume-from latest, in place: the newest readable checkpoint of {output_dir}/{run_name},
-    or "" (a new run) where it has none. Returns whether that new run replaces what starts that
-    saved no checkpoint left there (events, a summary of 0 iterations), else refused as a run
-    already there: a restart before the first checkpoint (torchrun's after a lost rank, a requeued
-    job's) then starts the run again instead of failing at every attempt."""
-    if args.resume_from != LATEST:
-        return False
-    if not args.run_name:
-        raise RunError("--resume-from latest needs --run-name: without one, every start names a "
-                       "new run directory (after its start time), never one with a checkpoint")
-    run_dir = Path(args.output_dir) / args.run_name
-    found, skipped = latest_checkpoint(run_dir)
-    for path, why in skipped if main_process else []:
-        print(f"--resume-from latest: skipping {path.name} of {run_dir}: {why}", flush=True)
-    args.resume_from = str(found or "")
-    if found:
-        if main_process:
-            print(f"--resume-from latest: {found}", flush=True)
-        return False
-    left = []
-    if run_dir.is_dir():
-        left = sorted(p.name for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern))
-    try:
-        done = json.loads((run_dir / "summary.json").read_text()).get("iterations")
-    except (OSError, ValueError, AttributeError):  # none, or damaged: nothing says a run trained
-        done = None
-    if whole(done, 1):  # its checkpoints were removed: refused, not replaced
-        raise RunError(f"--resume-from latest: {run_dir} holds a run of {done} iterations "
-                       "(summary.json) but no complete checkpoint; resume from a checkpoint path, "
-                       "or remove it or choose another --run-name")
-    if main_process:
-        replaced = f", replacing {', '.join(left)} (left by starts that saved none)" if left else ""
-        print(f"--resume-from latest: no checkpoint in {run_dir}: a new run{replaced}", flush=True)
-    return bool(left)
-
-
-def latest_checkpoint(run_dir):
-    """(The newest readable global_step_N directory of run_dir or None, [(newer one, why it is
-    not)]). A save's temporary .global_step_N.* is never a checkpoint; a global_step_N that lacks a
-    file a save writes was left half-removed by a kill (--keep-last, a repeated save of one
-    iteration) or changed by hand, and one whose files cannot be read was damaged since (a disk
-    error, a copy cut short)."""
-    steps = [p for p in Path(run_dir).glob("global_step_*")
-             if re.fullmatch(r"global_step_[0-9]+", p.name) and p.is_dir()]
-    skipped = []
-    for path in sorted(steps, key=lambda p: int(p.name.split("_")[-1]), reverse=True):
-        if not (why := unreadable_checkpoint(path)):
-            return path, skipped
-        skipped.append((path, why))
-    return None, skipped
-
-
-def unreadable_checkpoint(path):
-    """Why a checkpoint directory cannot be resumed from, in words, or None: a file a save writes
-    is missing, or trainer_state.json, adapters.safetensors or optimizer.pt cannot be read whole.
-    Reads no tensor: the headers, and the CRC of each part of optimizer.pt (a zip archive)."""
-    missing = [name for name in CHECKPOINT_FILES if not (path / name).exists()]
-    if missing:
-        return f"incomplete (no {', '.join(missing)})"
-    try:
-        state = json.loads((path / "trainer_state.json").read_text())
-        if not isinstance(state, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as error:  # UnicodeDecodeError too
-        return f"its trainer_state.json cannot be read ({error})"
-    try:
-        with safe_open(path / "adapters.safetensors", "pt"):  # checks the header against the size
-            pass
-    except (SafetensorError, OSError) as error:
-        return f"its adapters.safetensors cannot be read ({error})"
-    try:
-        with zipfile.ZipFile(path / "optimizer.pt") as archive:
-            damaged = archive.testzip()
-    except (OSError, zipfile.BadZipFile, EOFError) as error:
-        return f"its optimizer.pt cannot be read (truncated or damaged: {error})"
-    if damaged:
-        return f"its optimizer.pt cannot be read (damaged: {damaged} fails its CRC check)"
-    return None
-
-
-def directory_blocked(path):
-    """Why a directory cannot be made (or used) at `path`: it, or its nearest existing parent, is a file or a directory
-    this process cannot write into; None if nothing stands in the way. Checks only: nothing is created."""
-    path = Path(path)
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return "a file, not a directory" if existing == path else f"{existing} is a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is a directory this user cannot write into"
-    return None
-
-
-def run_directory(args, default_name):
-    """The run directory: the resumed checkpoint's parent, or {output_dir}/{run_name or default_name}. On resume, a
-    --run-name or a non-default --output-dir naming another directory is an error, not silently ignored."""
-    if not args.resume_from:
-        return Path(args.output_dir) / (args.run_name or default_name)
-    run_dir = Path(args.resume_from).resolve().parent
-    named = Path(args.output_dir) / args.run_name if args.run_name else None
-    if named is None and args.output_dir != type(args).output_dir:
-        named = Path(args.output_dir) / run_dir.name
-    if named is not None and named.resolve() != run_dir:
-        raise RunError(f"--resume-from {args.resume_from} continues the run in {run_dir}, but --output-dir/--run-name "
-                       f"name {named}: drop them, or name that directory")
-    return run_dir
-
-
-def claim_run_directory(run_dir, resuming, overwrite, created=False):
-    """Lock run_dir for this process (the returned open file holds the lock until the process ends), refuse one that
-    already holds a run unless resuming it or overwriting, and remove temporary checkpoints left by a killed run.
-    created: the caller made run_dir for this start. A directory this start made is removed at exit
-    if it then holds only run.lock (the start failed before writing anything)."""
-    try:
-        created = created or not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(run_dir / "run.lock", "a+")
-    except OSError as error:
-        raise RunError(f"cannot create the run directory {run_dir} ({error.strerror or error})") from None
-    try:
-        # the kernel drops a flock when its holder dies, by kill -9 too; torchrun restarts only
-        # after every rank of the failed attempt exited: a restarted rank 0 takes the run over
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        raise RunError(f"{run_dir} is in use by another live run (pid {lock.read().strip() or '?'})") from None
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
-    if created:
-        MADE_BY_THIS_START.append((run_dir, lock))
-        atexit.register(remove_if_unused, run_dir, lock)
-    for path in held_run(run_dir, resuming, overwrite):  # --overwrite
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    for partial in run_dir.glob(".global_step_*"):  # we hold the lock: no live process is writing these
-        shutil.rmtree(partial, ignore_errors=True)
-    return lock
-
-
-MADE_BY_THIS_START = []  # [(run directory, its lock)] that claim_run_directory made
-
-
-def remove_unused_run_directories():
-    """remove_if_unused of each run directory this start made, as at exit: for an exit by
-    os._exit (a distributed one), which skips atexit."""
-    for run_dir, lock in MADE_BY_THIS_START:
-        remove_if_unused(run_dir, lock)
-
-
-def remove_if_unused(run_dir, lock):
-    """At exit: remove run_dir, made by this start, if it holds only our run.lock: a start that
-    failed before writing anything leaves no directory a rerun would have to name."""
-    if lock.closed:  # no longer ours: another start may hold the directory now
-        return
-    try:
-        if [p.name for p in run_dir.iterdir()] != ["run.lock"]:
-            return
-        (run_dir / "run.lock").unlink()
-        run_dir.rmdir()
-    except OSError:  # something appeared meanwhile, or it cannot be removed: left as it is
-        pass
-
-
-def held_run(run_dir, resuming, overwrite):
-    """The files of a run already in run_dir that --overwrite replaces; RunError if it holds one and neither
-    resuming nor overwriting."""
-    held = [] if resuming else sorted(p for pattern in RUN_ARTIFACTS for p in run_dir.glob(pattern))
-    if held and not overwrite:
-        names = ", ".join(p.name for p in held[:3]) + (", ..." if len(held) > 3 else "")
-        latest = checkpoints(run_dir)[-1:]
-        if not latest:  # stopped before its first checkpoint: nothing to continue from
-            raise RunError(f"{run_dir} already holds a run ({names}), but it has no checkpoint to "
-                           "resume: replace it with --overwrite, or choose another --run-name")
-        raise RunError(f"{run_dir} already holds a run ({names}): continue it with --resume-from "
-                       f"{latest[0]}, replace it with --overwrite, or choose another --run-name")
-    return held
-
-
-class GracefulStop:
-    """SIGTERM and SIGINT set `signum` (SIGUSR1, Slurm's pre-emption warning, as SIGTERM): the trainer finishes the
-    iteration, saves and exits 128 + signal. The same signal again exits at once (a checkpoint being written is
-    removed), except under torchrun: it forwards the signal it got to its workers, which may have had it already (Slurm
-    signals every process of a job), and kills them itself --shutdown-timeout seconds later (launch.py). A copy that
-    comes within a second of the first is the same request: `timeout` and `kill -TERM -PGID` signal the trainer and
-    then its whole process group."""
-
-    SAME_REQUEST_S = 1.0
-
-    def __init__(self):
-        self.signum, self.first_at = None, 0.0
-        self.exit_on_repeat = "TORCHELASTIC_RUN_ID" not in os.environ
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(signum, self.handle)
-
-    def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if signum == signal.SIGUSR1:  # Slurm's pre-emption warning: a stop, exit status 143
-            name, signum = "SIGUSR1 (handled as SIGTERM)", signal.SIGTERM
-        if signum == self.signum and time.monotonic() - self.first_at < self.SAME_REQUEST_S:
-            return
-        if signum == self.signum and self.exit_on_repeat:
-            print(f"{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
-            raise SystemExit(128 + signum)
-        if self.signum is None:
-            self.signum, self.first_at = signum, time.monotonic()
-        again = f" ({signal.Signals(self.signum).name} again to exit at once)" if self.exit_on_repeat else ""
-        print(f"{name}: finishing this iteration, then saving a checkpoint{again}", flush=True)
-
-
 def save_checkpoint(run_dir, iteration, transformer, optimizer, state, keep_last):
     """Write global_step_{iteration}/ atomically (a temporary directory renamed at the end), readable as the user's
     umask allows, and keep the latest keep_last (0: all). Its trainer_state.json is `state` with the sha256 of the
@@ -540,38 +226,6 @@ def write_file(path, data):
             file.write(data)
     except OSError as error:
         raise OSError(error.errno, error.strerror, Path(path).name) from None
-
-
-def save_last_iteration(run_dir, state, transformer, optimizer, keep_last, stopped_by=None):
-    """save_checkpoint of the last completed iteration, state["iteration"]. A write error (a full
-    disk) ends the process with its line (the trainers' error format), naming the latest complete
-    checkpoint, after a summary.json that gives it as what stopped the run (after `stopped_by`,
-    what had stopped it before, if anything)."""
-    try:
-        return save_checkpoint(run_dir, state["iteration"], transformer, optimizer, state, keep_last)
-    except RunError as error:
-        failure = str(error)
-    try:
-        summary_of_state(run_dir, state, f"{stopped_by}; then {failure}" if stopped_by else failure)
-    except OSError as error:  # the disk may still be full
-        failure += f"; summary.json could not be written either ({error.strerror or error})"
-    sys.exit(f"{Path(sys.argv[0]).name}: error: {failure}")
-
-
-def summary_of_state(run_dir, state, stopped_by, device=None, failed_judges=None):
-    """write_summary of a trainer's state (start_state's: it holds the run's Args, algorithm and
-    world size), as the trainer writes it at its end; `device`: the actor's (default: its --device,
-    as the trainers name it); failed_judges: {judge: why} of the judges that failed."""
-    args = SimpleNamespace(**state["args"])
-    world_size = state["world_size"]
-    if device is None:
-        device = torch.device(args.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    roles = {"reward": args.reward_device, "text encoders": args.text_encoder_device}
-    images = world_size * args.prompts_per_rank * args.group_size
-    return write_summary(run_dir, state, args, state["algorithm"], world_size, images, stopped_by,
-                         other_gpus_memory(device, roles), failed_judges)
 
 
 def prompt_files_sha256(run_args):
@@ -699,82 +353,3 @@ def check_same_start(iteration, args, device, world_size):
         raise RunError(f"rank {dist.get_rank()} starts at iteration {iteration} ({start}), rank 0 "
                        f"at iteration {int(first)}: every node must see the same run directory, on "
                        "storage they share")
-
-
-def peak_memory_gib(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host peak RSS (KiB on Linux)
-
-
-def actor_peak_memory(device, world_size):
-    """{"actor rank r <device>": peak GiB} of every rank (a collective: every rank calls it)."""
-    peak = torch.tensor([[peak_memory_gib(device), -1 if device.index is None else device.index]], dtype=torch.float64,
-                        device=device)  # (1, 2): GiB, device index
-    peaks = peak.new_empty(world_size, 2)
-    if world_size > 1:
-        dist.all_gather_into_tensor(peaks, peak)
-    else:
-        peaks.copy_(peak)
-    return {f"actor rank {r} {device.type}{'' if i < 0 else f':{i:.0f}'}": p for r, (p, i) in enumerate(peaks.tolist())}
-
-
-def other_gpus_memory(actor_device, roles):
-    """{"<roles> cuda:i": GiB} of the CUDA devices in roles ({role: device name}) that are not the actor's: this
-    process's peak, and what every process (a vLLM reward server too) holds there now."""
-    devices = {}
-    for role, name in roles.items():
-        device = torch.device(name or "cpu")
-        if device.type == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-            if device != actor_device:
-                devices.setdefault(device, []).append(role)
-    memory = {}
-    for device, names in devices.items():
-        memory[f"{' + '.join(names)} {device}"] = peak_memory_gib(device)
-        free, total = torch.cuda.mem_get_info(device)
-        memory[f"{device} in use by all processes at the end"] = (total - free) / 2**30
-    return memory
-
-
-def write_summary(run_dir, state, args, algorithm, world_size, images_per_iteration, stopped_by,
-                  other_gpus, failed_judges=None):
-    """summary.json: whether the run did all its iterations and nothing stopped it (else what did,
-    `stopped_by`), validation rewards, iteration times with the first iteration of every start
-    (torch.compile's warm-up) reported apart from the mean, and peak memory. failed_judges
-    ({judge: why}: the judges this start went on without) only where one failed."""
-    history = [entry for entry in state["eval"] if np.isfinite(entry[1])]  # NaN: its scorer failed (the run stopped)
-    times = state["iteration_s"]
-    warmups = set(state["start_iterations"])
-    steady = [t for i, t in enumerate(times, 1) if i not in warmups]
-    mean = float(np.mean(steady)) if steady else None
-    best = max(history, key=lambda e: e[1], default=[None, None])
-    judge = lambda entry: entry[2]  # the first --eval-judge on the same images, or None
-    last = Path(run_dir) / f"global_step_{state['iteration']}"
-    saved = not state["iteration"] or all((last / name).exists() for name in CHECKPOINT_FILES)
-    # a full disk may have lost the last checkpoint, an error stopped the last iteration: incomplete
-    completed = state["iteration"] >= args.num_iterations and saved and not stopped_by
-    summary = {"algorithm": algorithm, "reward": args.reward, "completed": completed,
-               "stopped_by": None if completed else stopped_by, "iterations": state["iteration"],
-               "optimizer_steps": state["optimizer_steps"], "world_size": world_size,
-               "initial_eval_reward": history[0][1] if history else None,
-               "final_eval_reward": history[-1][1] if history else None,
-               "best_eval_reward": best[1], "best_eval_iteration": best[0],
-               "initial_eval_judge": judge(history[0]) if history else None,
-               "final_eval_judge": judge(history[-1]) if history else None,
-               "warmup_iteration_s": times[0] if times else None,
-               "mean_iteration_s": mean, "mean_iteration_excludes": sorted(warmups & set(range(1, len(times) + 1))),
-               "train_images_per_s": images_per_iteration / mean if mean else None,
-               "peak_mem_gib": {**state["peak_mem_gib"], **other_gpus}}
-    if any(len(entry) == 4 for entry in history):  # judges other than PP-OCR alone
-        judged = [entry_judges(entry) for entry in history]
-        names = list(dict.fromkeys(name for means in judged for name in means))
-        summary["eval_judges"] = {name: {"initial": next(m[name] for m in judged if name in m),
-                                         "final": next(m[name] for m in reversed(judged) if name in m)}
-                                  for name in names}
-    if failed_judges:
-        summary["failed_judges"] = dict(failed_judges)
-    partial = run_dir / ".summary.json.tmp"  # replaced at once: a kill never leaves half a summary
-    partial.write_text(json.dumps(summary, indent=1, allow_nan=False))
-    partial.replace(run_dir / "summary.json")
-    return summary

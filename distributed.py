@@ -1,11 +1,13 @@
 """The ranks of a run: this rank's device and the process group it joins, the check that every
-rank runs the same settings, tensors averaged and gathered over the ranks, the stop that every rank
-agrees on, and leaving the group in step."""
+rank runs the same settings, tensors averaged and gathered over the ranks, the stop signals a
+process takes (GracefulStop) and the stop that every rank agrees on, and leaving the group in
+step."""
 
 import os
 import signal
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -135,3 +137,34 @@ def leave_process_group():
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+class GracefulStop:
+    """SIGTERM and SIGINT set `signum` (SIGUSR1, Slurm's pre-emption warning, as SIGTERM): the trainer finishes the
+    iteration, saves and exits 128 + signal. The same signal again exits at once (a checkpoint being written is
+    removed), except under torchrun: it forwards the signal it got to its workers, which may have had it already (Slurm
+    signals every process of a job), and kills them itself --shutdown-timeout seconds later (launch.py). A copy that
+    comes within a second of the first is the same request: `timeout` and `kill -TERM -PGID` signal the trainer and
+    then its whole process group."""
+
+    SAME_REQUEST_S = 1.0
+
+    def __init__(self):
+        self.signum, self.first_at = None, 0.0
+        self.exit_on_repeat = "TORCHELASTIC_RUN_ID" not in os.environ
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if signum == signal.SIGUSR1:  # Slurm's pre-emption warning: a stop, exit status 143
+            name, signum = "SIGUSR1 (handled as SIGTERM)", signal.SIGTERM
+        if signum == self.signum and time.monotonic() - self.first_at < self.SAME_REQUEST_S:
+            return
+        if signum == self.signum and self.exit_on_repeat:
+            print(f"{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+        if self.signum is None:
+            self.signum, self.first_at = signum, time.monotonic()
+        again = f" ({signal.Signals(self.signum).name} again to exit at once)" if self.exit_on_repeat else ""
+        print(f"{name}: finishing this iteration, then saving a checkpoint{again}", flush=True)

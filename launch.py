@@ -4,7 +4,7 @@
 
 This is torch.distributed.run itself (torchrun), with two of its exceptions turned into an exit status:
 - a signal to torchrun (SIGTERM from a scheduler or `timeout`, Ctrl-C's SIGINT): torchrun forwards it to the ranks,
-  which finish the iteration together and save (see checkpoint.GracefulStop); then exit 128 + signal, as a process
+  which finish the iteration together and save (see distributed.GracefulStop); then exit 128 + signal, as a process
   ended by it, where torchrun raises SignalException and exits 1 with a traceback;
 - a rank that failed (it printed its own error): exit with its exit code, where torchrun prints a ~40-line
   ChildFailedError report; a rank that stopped because a rank here or on another node got SIGTERM or SIGINT (exit

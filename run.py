@@ -30,20 +30,20 @@ from tensorboard.summary.writer import record_writer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from checkpoint import (EVAL_SCORES, GracefulStop, RunComplete, RunError, actor_peak_memory,
-                        checkpoints, prepare_run, prompt_files_sha256,
-                        remove_unused_run_directories, save_checkpoint, save_last_iteration,
-                        start_state, summary_of_state)
+from checkpoint import (EVAL_SCORES, RunComplete, RunError, checkpoints, prompt_files_sha256,
+                        save_checkpoint, start_state)
 from checks import check_judge_models, errors_end_in_one_line, fail, scorers_of
 from data import load_train_and_eval_prompts
-from distributed import (actor_device, agreed_stop, all_mean_, gather, leave_process_group,
-                         settings_mismatch, shared_settings, signalled_ranks)
+from distributed import (GracefulStop, actor_device, agreed_stop, all_mean_, gather,
+                         leave_process_group, settings_mismatch, shared_settings, signalled_ranks)
 from iteration import PhaseTimer
 from lora_adapters import SnapshotError
 from memory import TRAINER_MEMORY_FLAGS, memory_error, model_shape, out_of_memory_line
 from ocr_reward import check_reward_model
 from reward_mix import parse_mix
 from rollout import nonfinite_images
+from run_dirs import prepare_run, remove_unused_run_directories
+from run_summary import actor_peak_memory, save_last_iteration, summary_of_state
 from scoring import reward_stats
 from sd3 import check_model_path, warn_cut_targets
 from settings import flat_settings

@@ -228,8 +228,8 @@ def test_sigterm_under_torchrun_stops_every_rank_with_a_checkpoint(tiny_model_di
 STOPPABLE_RANK = '''
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
-import checkpoint
-stop = checkpoint.GracefulStop()
+import distributed
+stop = distributed.GracefulStop()
 print("started", os.environ["RANK"], os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"), flush=True)
 while stop.signum is None and len(sys.argv) < 3:
     time.sleep(0.01)

@@ -21,6 +21,7 @@ import checkpoint
 import crd
 import evaluate
 import lora_adapters
+import run_summary
 import sd3
 from settings import ScoringArgs, flat_settings
 from test_trainers import ROOT
@@ -352,7 +353,7 @@ def test_a_last_iteration_that_cannot_be_saved_ends_with_a_summary_saying_why(
     reset = refuse_writes_past(1_000_000)
     try:
         with pytest.raises(SystemExit) as exit_:
-            checkpoint.save_last_iteration(tmp_path, run_state(tmp_path, 2), lora_transformer,
+            run_summary.save_last_iteration(tmp_path, run_state(tmp_path, 2), lora_transformer,
                                            optimizer, 2, **stopped)
     finally:
         reset()

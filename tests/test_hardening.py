@@ -24,9 +24,11 @@ import checkpoint
 import crd
 from data import GroupSampler
 import dgpo
+import distributed
 import lora_adapters
 import ocr_reward
 from ocr_server import ocr_server
+import run_dirs
 from scoring import GuardedScorer
 import sd3
 from settings import ScoringArgs, flat_settings
@@ -77,7 +79,7 @@ def test_checkpoints_follow_the_umask_and_keep_last_0_keeps_all(lora_transformer
 def test_claiming_a_run_directory_removes_stale_temporary_checkpoints(tmp_path):
     (tmp_path / ".global_step_5.x7rq2m").mkdir()  # what `kill -9` during a save leaves
     (tmp_path / "global_step_4").mkdir()
-    lock = checkpoint.claim_run_directory(tmp_path, resuming=True, overwrite=False)
+    lock = run_dirs.claim_run_directory(tmp_path, resuming=True, overwrite=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_4", "run.lock"]
     assert (tmp_path / "run.lock").read_text() == str(os.getpid())
     lock.close()
@@ -92,7 +94,7 @@ def test_a_repeated_signal_exits_at_once_except_under_torchrun(torchrun, monkeyp
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        stop = checkpoint.GracefulStop()
+        stop = distributed.GracefulStop()
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)  # a process group's copy
         os.kill(os.getpid(), signal.SIGTERM)
@@ -117,8 +119,8 @@ def test_a_signal_to_the_trainer_and_then_to_its_process_group_stops_it_graceful
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "import checkpoint\n"
-        "stop = checkpoint.GracefulStop()\n"
+        "import distributed\n"
+        "stop = distributed.GracefulStop()\n"
         "print('started', flush=True)\n"
         "while stop.signum is None:\n"
         "    time.sleep(0.01)\n"
@@ -143,8 +145,8 @@ def test_sigusr1_stops_a_trainer_as_sigterm(tmp_path):
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "import checkpoint\n"
-        "stop = checkpoint.GracefulStop()\n"
+        "import distributed\n"
+        "stop = distributed.GracefulStop()\n"
         "print('started', flush=True)\n"
         "while stop.signum is None:\n"
         "    time.sleep(0.01)\n"
@@ -185,7 +187,7 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
 
     def resume(path):
         with pytest.raises(checkpoint.RunError) as error:
-            checkpoint.prepare_run(crd.Args(**{**vars(args), "resume_from": str(path)}), "crd", 1, True)
+            run_dirs.prepare_run(crd.Args(**{**vars(args), "resume_from": str(path)}), "crd", 1, True)
         return str(error.value)
 
     assert "--resume-from" in resume(tmp_path / "run") and "not a checkpoint directory" in resume(tmp_path / "run")
@@ -194,7 +196,7 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
                            "iteration and sampler)"
     (step / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(checkpoint.RunError, match=re.escape(f"--num-iterations 0: {step} has done 1 iterations already")):
-        checkpoint.prepare_run(crd.Args(**{**vars(args), "resume_from": str(step), "num_iterations": 0}), "crd", 1, True)
+        run_dirs.prepare_run(crd.Args(**{**vars(args), "resume_from": str(step), "num_iterations": 0}), "crd", 1, True)
     adapters = (step / "adapters.safetensors").read_bytes()
     (step / "adapters.safetensors").write_bytes(adapters[:100])
     assert resume(step).startswith(f"{step / 'adapters.safetensors'}: not a readable safetensors file (")
@@ -209,10 +211,10 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
     (tmp_path / "file").write_text("")
     for dry_run in (False, True):
         with pytest.raises(checkpoint.RunError, match=re.escape(f"cannot create the run directory {tmp_path}/file/r")):
-            checkpoint.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=dry_run), "crd", 1,
+            run_dirs.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=dry_run), "crd", 1,
                                    True)
     with pytest.raises(checkpoint.RunError, match=re.escape(f"{tmp_path}/file/r: {tmp_path}/file is a file, not a")):
-        checkpoint.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=True), "crd", 1, True)
+        run_dirs.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=True), "crd", 1, True)
 
 
 def saved_run(lora_transformer, tmp_path):
@@ -233,7 +235,7 @@ def saved_run(lora_transformer, tmp_path):
 
 def resume(args, step, **changes):
     """prepare_run of a resume from step (the main process of one): (run directory, lock)."""
-    return checkpoint.prepare_run(dataclasses.replace(args, resume_from=str(step), **changes), "crd", 1, True)
+    return run_dirs.prepare_run(dataclasses.replace(args, resume_from=str(step), **changes), "crd", 1, True)
 
 
 def edit_state(step, **fields):

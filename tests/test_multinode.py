@@ -1,6 +1,6 @@
 """Several nodes, simulated on one host, and runs that continue by themselves: run.sh's torchrun
 launch with NNODES > 1 (c10d rendezvous on 127.0.0.1), a SIGTERM to one node, a rank killed under
-MAX_RESTARTS, and `--resume-from latest` (checkpoint.resolve_latest).
+MAX_RESTARTS, and `--resume-from latest` (run_dirs.resolve_latest).
 
 Each "node" is one `bash run.sh crd` (torchrun's agent, one CPU rank, gloo) on the tiny model. What
 this cannot show is a real network between hosts: every process here talks over the loopback.
@@ -24,6 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import checkpoint
 import crd
+import run_dirs
 from test_distributed import DIST_ENV, ROOT, TIMEOUT, TINY_RUN, adapters
 from test_hardening import lora_transformer, saved_run  # noqa: F401 (a fixture, used by name)
 from test_run_sh import fake_tools, free_port
@@ -333,13 +334,13 @@ def test_a_resume_with_other_settings_on_one_node_stops_at_once(one_node, tiny_m
 
 def latest(args, **changes):
     """prepare_run with --resume-from latest (the main process of one): (run directory, lock)."""
-    return checkpoint.prepare_run(dataclasses.replace(args, resume_from="latest", **changes), "crd",
+    return run_dirs.prepare_run(dataclasses.replace(args, resume_from="latest", **changes), "crd",
                                   1, True)
 
 
 def test_latest_without_a_checkpoint_starts_a_new_run(tmp_path, capsys):
     args = crd.Args(output_dir=str(tmp_path), run_name="run", resume_from="latest")
-    run_dir, lock = checkpoint.prepare_run(args, "crd", 1, True)
+    run_dir, lock = run_dirs.prepare_run(args, "crd", 1, True)
     lock.close()
     assert args.resume_from == "" and run_dir == tmp_path / "run"
     new_run = f"--resume-from latest: no checkpoint in {run_dir}: a new run"
@@ -386,7 +387,7 @@ def test_latest_takes_the_newest_complete_checkpoint(lora_transformer, tmp_path,
     shutil.copy(first / "trainer_state.json", run_dir / ".global_step_4.x7rq2m")
     capsys.readouterr()
     resolved = dataclasses.replace(args, resume_from="latest", dry_run=False)
-    found_in, lock = checkpoint.prepare_run(resolved, "crd", 1, True)
+    found_in, lock = run_dirs.prepare_run(resolved, "crd", 1, True)
     assert found_in == run_dir
     assert resolved.resume_from == str(run_dir / "global_step_2")
     assert not (run_dir / ".global_step_4.x7rq2m").exists()

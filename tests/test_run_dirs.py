@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import checkpoint
 import crd
+import run_dirs
 from settings import ScoringArgs
 from test_trainers import train
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def prepare(**fields):
     """prepare_run of a crd run on one rank, as its main process."""
-    return checkpoint.prepare_run(crd.Args(**fields), "crd", 1, True)
+    return run_dirs.prepare_run(crd.Args(**fields), "crd", 1, True)
 
 
 @pytest.mark.parametrize("name", ["ABSOLUTE", "../up", "a/b", "..", ".", "  "])
@@ -65,7 +66,7 @@ def test_an_exp_name_outside_the_output_dir_stops_the_trainer_in_one_line(tmp_pa
 
 
 def test_default_names_of_starts_in_the_same_second_differ(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint.time, "time", lambda: 1700000000.5)
+    monkeypatch.setattr(run_dirs.time, "time", lambda: 1700000000.5)
     args = {"output_dir": str(tmp_path), "exp_name": "crd", "scoring": ScoringArgs(reward="ocr"), "seed": 3}
     taken = tmp_path / "crd__ocr__3__1700000000"
     taken.mkdir()
@@ -202,4 +203,4 @@ def test_latest_resumes_from_the_checkpoint_before_a_cut_optimizer_state(saved_t
                          for run in (tmp_path / "run", saved_twice))
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[key], straight[key]) for key in straight)
-    assert checkpoint.unreadable_checkpoint(tmp_path / "run" / "global_step_2") is None
+    assert run_dirs.unreadable_checkpoint(tmp_path / "run" / "global_step_2") is None

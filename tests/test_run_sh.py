@@ -306,7 +306,7 @@ def test_bad_environment_overrides_are_one_line(tmp_path, override, message):
     assert result.returncode == 1 and result.stderr.splitlines() == [f"run.sh: error: {message}"]
 
 
-# a summary.json as the trainers write it (checkpoint.write_summary)
+# a summary.json as the trainers write it (run_summary.write_summary)
 SUMMARY = {"algorithm": "crd", "reward": "paddle", "completed": True, "stopped_by": None, "iterations": 3,
            "optimizer_steps": 6, "world_size": 1, "initial_eval_reward": 0.25, "final_eval_reward": 0.5,
            "best_eval_reward": 0.5, "best_eval_iteration": 3, "initial_eval_judge": None, "final_eval_judge": None,

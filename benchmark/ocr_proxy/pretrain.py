@@ -42,9 +42,9 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, prompt, render, split_words  # noqa: E402
-import checkpoint  # noqa: E402
 from diffusers import StableDiffusion3Pipeline  # noqa: E402
 import rollout  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
+import run_dirs
 import sd3  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
 
 # 15.5M parameters, 31 MB in bf16: small enough to carry between machines. No dual attention (SD3.5-M's extra
@@ -188,7 +188,7 @@ def check_args(args: Args) -> None:
                               "validation_guidance": (1, math.inf)}.items():
         if not (math.isfinite(getattr(args, flag)) and low <= getattr(args, flag) <= high):
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag):g}: must be a finite number in [{low:g}, {high:g}]")
-    blocked = checkpoint.directory_blocked(Path(args.out).expanduser())
+    blocked = run_dirs.directory_blocked(Path(args.out).expanduser())
     if blocked:
         fail(f"--out {args.out}: {blocked}")
     if args.task.resolution < 16 or args.task.resolution % 16:

@@ -69,6 +69,7 @@ from benchmark.ocr_proxy.ocr_pool import (BLIND_MODEL_NAME, MODEL_NAME, OcrPool,
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 import checkpoint  # noqa: E402
 import lora_adapters
+import run_dirs
 import sd3  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo", "nft")
@@ -166,7 +167,7 @@ def check_args(args: Args) -> None:
 
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
         fail(f"--seeds {' '.join(map(str, args.seeds))}: give one or more distinct seeds")
-    blocked = checkpoint.directory_blocked(Path(args.out))
+    blocked = run_dirs.directory_blocked(Path(args.out))
     if blocked:
         fail(f"--out {args.out}: {blocked}")
     if not args.algorithms:
