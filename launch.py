@@ -113,16 +113,17 @@ def join_timeout(rdzv_conf):
 
 
 @contextmanager
-def lines_while_waiting(what, timeout_s):
-    """A line to stderr every quarter of timeout_s (at most every 30 s) until the block ends."""
+def lines_while_waiting(what, timeout_s, joined=lambda: ""):
+    """A line to stderr every quarter of timeout_s (at most every 30 s) until the block ends, with
+    joined(), who has joined so far, after it."""
     every_s = min(30.0, timeout_s / 4)
     began = time.monotonic()
     done = threading.Event()
 
     def say():
         while not done.wait(every_s):
-            print(f"launch.py: {what}: {time.monotonic() - began:.0f} s of {timeout_s:g} s", file=sys.stderr,
-                  flush=True)
+            print(f"launch.py: {what}: {time.monotonic() - began:.0f} s of {timeout_s:g} s{joined()}",
+                  file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=say, daemon=True)
     thread.start()
@@ -131,6 +132,19 @@ def lines_while_waiting(what, timeout_s):
     finally:
         done.set()
         thread.join()
+
+
+def nodes_joined(handler):
+    """"; joined so far: host (pid N), ..." of the nodes in the rendezvous round this agent waits in,
+    as the c10d backend's state holds them (this node among them, marked); "" where it cannot be read
+    (another backend, a torch that keeps it elsewhere)."""
+    try:
+        nodes = list(handler._state_holder.state.participants)
+        this = handler._this_node
+    except AttributeError:
+        return ""
+    names = [f"{node.addr} (pid {node.pid}{', this node' if node == this else ''})" for node in nodes]
+    return f"; joined so far: {', '.join(names) or 'none'}"
 
 
 class TrainerAgent(LocalElasticAgent):
@@ -144,7 +158,8 @@ class TrainerAgent(LocalElasticAgent):
         self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
 
     def _rendezvous(self, worker_group):
-        with lines_while_waiting(self.waiting_line, self.join_timeout_s):
+        handler = worker_group.spec.rdzv_handler
+        with lines_while_waiting(self.waiting_line, self.join_timeout_s, lambda: nodes_joined(handler)):
             super()._rendezvous(worker_group)
 
     def _monitor_workers(self, worker_group):

@@ -212,7 +212,9 @@ def test_a_node_whose_peer_never_comes_stops_after_join_timeout_in_one_line(tiny
     assert lines[-1] == join_timeout_line(port)
     waiting = [line for line in lines if line.startswith("launch.py: waiting for every one of the 2 nodes to join "
                                                          f"the rendezvous at 127.0.0.1:{port} (its join timeout")]
-    assert len(waiting) >= 2 and waiting[0].endswith(": 1 s of 5 s"), lines
+    assert len(waiting) >= 2 and ": 1 s of 5 s; joined so far: " in waiting[0], lines
+    joined = waiting[-1].split("; joined so far: ")[1]  # this node alone: the missing one is the other
+    assert re.fullmatch(r"\S+ \(pid \d+, this node\)", joined), lines
     assert time.time() - began < 60
 
 
