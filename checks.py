@@ -148,8 +148,8 @@ def check_judge_models(scoring, names):
                              ("preprocessor_config.json", "an image processor")):
             check_model_path(scoring.aesthetic_model, "--aesthetic-model", marker, kind)
         if not Path(scoring.aesthetic_head).is_file():
-            raise RuntimeError(f"--aesthetic-head {scoring.aesthetic_head}: no such file (the LAION "
-                               "head, sac+logos+ava1-l14-linearMSE.pth)")
+            raise RuntimeError(f"--aesthetic-head {scoring.aesthetic_head}: no such file (the "
+                               "LAION head, sac+logos+ava1-l14-linearMSE.pth)")
 
 
 def check_devices(args, runs_on):

@@ -140,12 +140,13 @@ def leave_process_group():
 
 
 class GracefulStop:
-    """SIGTERM and SIGINT set `signum` (SIGUSR1, Slurm's pre-emption warning, as SIGTERM): the trainer finishes the
-    iteration, saves and exits 128 + signal. The same signal again exits at once (a checkpoint being written is
-    removed), except under torchrun: it forwards the signal it got to its workers, which may have had it already (Slurm
-    signals every process of a job), and kills them itself --shutdown-timeout seconds later (launch.py). A copy that
-    comes within a second of the first is the same request: `timeout` and `kill -TERM -PGID` signal the trainer and
-    then its whole process group."""
+    """SIGTERM and SIGINT set `signum` (SIGUSR1, Slurm's pre-emption warning, as SIGTERM): the
+    trainer finishes the iteration, saves and exits 128 + signal. The same signal again exits at
+    once (a checkpoint being written is removed), except under torchrun: it forwards the signal it
+    got to its workers, which may have had it already (Slurm signals every process of a job), and
+    kills them itself --shutdown-timeout seconds later (launch.py). A copy that comes within a
+    second of the first is the same request: `timeout` and `kill -TERM -PGID` signal the trainer
+    and then its whole process group."""
 
     SAME_REQUEST_S = 1.0
 
@@ -166,5 +167,6 @@ class GracefulStop:
             raise SystemExit(128 + signum)
         if self.signum is None:
             self.signum, self.first_at = signum, time.monotonic()
-        again = f" ({signal.Signals(self.signum).name} again to exit at once)" if self.exit_on_repeat else ""
+        name_again = signal.Signals(self.signum).name
+        again = f" ({name_again} again to exit at once)" if self.exit_on_repeat else ""
         print(f"{name}: finishing this iteration, then saving a checkpoint{again}", flush=True)

@@ -63,8 +63,8 @@ def start_tracking(args, run_dir, resumed):
     wandb.tensorboard.patch(root_logdir=str(run_dir))
     try:
         tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
-                              sync_tensorboard=True, config=flat_settings(args), name=Path(run_dir).name,
-                              id=run_id, resume="allow")
+                              sync_tensorboard=True, config=flat_settings(args),
+                              name=Path(run_dir).name, id=run_id, resume="allow")
     except wandb.errors.Error as error:  # no login, a refused key, no server: wandb's own words
         why = " ".join(str(error).split())
         fail(f"--track: W&B could not start the run ({why}); log in with `wandb login`, or set "

@@ -67,7 +67,8 @@ def test_an_exp_name_outside_the_output_dir_stops_the_trainer_in_one_line(tmp_pa
 
 def test_default_names_of_starts_in_the_same_second_differ(tmp_path, monkeypatch):
     monkeypatch.setattr(run_dirs.time, "time", lambda: 1700000000.5)
-    args = {"output_dir": str(tmp_path), "exp_name": "crd", "scoring": ScoringArgs(reward="ocr"), "seed": 3}
+    args = {"output_dir": str(tmp_path), "exp_name": "crd", "scoring": ScoringArgs(reward="ocr"),
+            "seed": 3}
     taken = tmp_path / "crd__ocr__3__1700000000"
     taken.mkdir()
     (taken / "events.out.tfevents.1").write_text("")
