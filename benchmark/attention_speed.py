@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import lora_adapters
+import lora_adapters  # noqa: E402
 import rollout  # noqa: E402
 import sd3  # noqa: E402
 

@@ -38,11 +38,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmark.events import scalars  # noqa: E402
-import lora_adapters
+import lora_adapters  # noqa: E402
 import omni_rollout  # noqa: E402
 import rollout  # noqa: E402
 import sd3  # noqa: E402
+from benchmark.events import scalars  # noqa: E402
 
 PHASES = ("smoke", "weights", "zero", "lora", "speed", "train")
 # the least time left in which each phase is started: a ten-minute call can run train alone

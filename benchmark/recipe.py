@@ -29,10 +29,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import sd3  # noqa: E402
+from ocr_reward import RANDOM_QWEN  # noqa: E402
 from benchmark.events import scalars  # noqa: E402
 from benchmark.sample_speed import median_seconds  # noqa: E402
-from ocr_reward import RANDOM_QWEN  # noqa: E402
-import sd3  # noqa: E402
 
 PROMPTS = ROOT / "tests" / "data" / "ocr" / "train.txt"
 RECIPE = ["--model", sd3.RANDOM_MEDIUM, "--reward", "qwen-vl", "--reward-model", RANDOM_QWEN,

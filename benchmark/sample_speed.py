@@ -20,7 +20,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import lora_adapters
+import lora_adapters  # noqa: E402
 import rollout  # noqa: E402
 import sd3  # noqa: E402
 

@@ -27,12 +27,12 @@ from torch.utils.tensorboard import SummaryWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmark.sample_speed import median_seconds  # noqa: E402
-from data import load_prompts  # noqa: E402
-import lora_adapters
-from ocr_reward import RANDOM_QWEN, make_scorer  # noqa: E402
+import lora_adapters  # noqa: E402
 import rollout  # noqa: E402
 import sd3  # noqa: E402
+from benchmark.sample_speed import median_seconds  # noqa: E402
+from data import load_prompts  # noqa: E402
+from ocr_reward import RANDOM_QWEN, make_scorer  # noqa: E402
 
 
 def main():

@@ -40,12 +40,12 @@ import torch.nn.functional as F
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import rollout  # noqa: E402
+import run_dirs  # noqa: E402
+import sd3  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
+from diffusers import StableDiffusion3Pipeline  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, prompt, render, split_words  # noqa: E402
-from diffusers import StableDiffusion3Pipeline  # noqa: E402
-import rollout  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
-import run_dirs
-import sd3  # noqa: E402  (before diffusers' SD3 pipeline: it quiets transformers' torchvision warnings)
 
 # 15.5M parameters, 31 MB in bf16: small enough to carry between machines. No dual attention (SD3.5-M's extra
 # attention of the first blocks): the task needs none. clip_l + clip_g hidden sizes = the T5 width (SD3 pads CLIP to it).

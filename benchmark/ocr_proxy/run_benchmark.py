@@ -61,16 +61,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import checkpoint  # noqa: E402
+import lora_adapters  # noqa: E402
+import run_dirs  # noqa: E402
+import sd3  # noqa: E402
 from benchmark.events import scalars as logged_scalars  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import (BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool,  # noqa: E402
                                           serve)
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
-import checkpoint  # noqa: E402
-import lora_adapters
-import run_dirs
-import sd3  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo", "nft")
 KL_ONLY = "klonly"  # the variant of --kl-only-control
