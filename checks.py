@@ -1,7 +1,8 @@
 """The checks of what a trainer or evaluate.py is given, before anything loads, each failing one
 told in one line, `{script}: error: ...`, as argparse tells it: the flags, the local model folders
 that the rewards and judges read, the devices, and a prompt file, model or reward server that
-cannot be read while the models load (loading_errors_as_one_line)."""
+cannot be read while the models load (loading_errors_as_one_line); and, from then on, the errors
+that end the program in one line, after it keeps what it can (errors_end_in_one_line)."""
 
 import importlib
 import math

@@ -59,11 +59,11 @@ class Validation:
     def due(self, iteration):
         """Whether this process validates after `iteration` iterations (0: before training, which
         a resumed run has done)."""
+        if iteration == 0 and self.run.state["iteration"]:  # resumed: its model is not the base's
+            return False
         every = self.args.eval_every
         last = iteration == self.args.num_iterations
-        started = iteration or not self.run.state["iteration"]
-        return bool(self.run.main_process and every and started and
-                    (iteration % every == 0 or last))
+        return bool(self.run.main_process and every and (iteration % every == 0 or last))
 
     def __call__(self, iteration):
         """Validate, and keep the summary's entry in the run's state (Run.record_validation):

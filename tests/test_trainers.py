@@ -189,6 +189,18 @@ def test_resume_continues_exactly(three_iterations, tiny_model_dir, tmp_path):
     assert (resumed / checkpoint.EVAL_SCORES).read_text().splitlines() == straight_lines[:3]
 
 
+def test_a_resume_that_turns_validation_on_validates_no_iteration_0(tiny_model_dir, tmp_path):
+    """A run started with --eval-every 0 and resumed with validation: its first validation is at an iteration it
+    trained, not one labelled 0 of an adapter that has trained already."""
+    train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 1, "--eval-every", 0)
+    run = tmp_path / "run"
+    train("crd.py", tiny_model_dir, tmp_path, "--num-iterations", 2, "--eval-every", 1,
+          "--resume-from", run / "global_step_1")
+    assert list(scalars(run, "eval/reward_mean")) == [2]
+    state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
+    assert [entry[0] for entry in state["eval"]] == [2]
+
+
 def test_resume_refuses_settings_that_define_the_run(three_iteration_runs, tiny_model_dir, tmp_path):
     """One line lists every difference, before any model loads; the run directory is left as it was."""
     run = three_iteration_runs["crd.py"]
