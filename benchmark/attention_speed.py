@@ -78,8 +78,7 @@ def attention_table():
 def transformer_forwards(fastest):
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        transformer = rollout.SD3Transformer2DModel(patch_size=2, in_channels=16, out_channels=16,
-                                                    **sd3.MEDIUM_CONFIG["transformer"]).eval().requires_grad_(False)
+        transformer = sd3.random_transformer(sd3.MEDIUM_CONFIG).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     lora_adapters.add_lora_adapters(transformer, 32, 64)
     for p in lora_adapters.lora_parameters(transformer, "sampling"):
