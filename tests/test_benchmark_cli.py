@@ -28,6 +28,15 @@ def test_recipe_on_a_machine_without_a_gpu_is_one_line(tmp_path):
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+def test_wall_clock_on_a_machine_without_a_gpu_is_one_line(tmp_path):
+    out = tmp_path / "wall_clock.json"
+    result = run("benchmark/wall_clock.py", "--out", out, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "wall_clock.py: error: needs a CUDA GPU (torch sees none): it times the full-size "
+        "recipe; --tiny times README's demo on the CPU"]
+    assert not out.exists()
+
+
 def test_judge_speed_says_what_it_is_doing_and_prints_the_times_it_reports(tmp_path):
     """At full size on a CPU, building CLIP-H and each call take minutes: a line before each phase
     and after each timed call, whose time is the one in its JSON."""
