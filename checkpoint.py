@@ -322,12 +322,12 @@ def start_state(args, transformer, optimizer, sampler, device, world_size, algor
     `validation_adapter`: the adapter the trainer validates with, what evaluate.py scores by default."""
     state = {"iteration": 0, "optimizer_steps": 0, "eval": [], "iteration_s": [], "start_iterations": [],
              "peak_mem_gib": {}}
-    if args.resume_from:
-        state = load_checkpoint(args.resume_from, transformer, optimizer, device)
+    if args.output.resume_from:
+        state = load_checkpoint(args.output.resume_from, transformer, optimizer, device)
         sampler.load_state_dict(state["sampler"])
         recorded = state.get("validation_adapter")  # absent in checkpoints from before it
         if recorded and validation_adapter and recorded != validation_adapter:
-            raise RunError(f"--resume-from {args.resume_from}: the run validated its {recorded} "
+            raise RunError(f"--resume-from {args.output.resume_from}: the run validated its {recorded} "
                            f"adapter, this trainer validates {validation_adapter}: its eval curve "
                            "would change adapters mid-run (resume with the trainer that started it, "
                            "or start a new run)")
@@ -349,7 +349,7 @@ def check_same_start(iteration, args, device, world_size):
     first = torch.tensor([iteration], dtype=torch.int64, device=device)
     dist.broadcast(first, 0)
     if int(first) != iteration:
-        start = args.resume_from or "a new run"
+        start = args.output.resume_from or "a new run"
         raise RunError(f"rank {dist.get_rank()} starts at iteration {iteration} ({start}), rank 0 "
                        f"at iteration {int(first)}: every node must see the same run directory, on "
                        "storage they share")

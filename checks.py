@@ -30,9 +30,10 @@ def fail(message):
 
 def check_numbers(args, bounds):
     """One line for a float flag that is not finite, or not above ('>') or at least ('>=') its
-    bound."""
+    bound; the flags named as flat_settings names them."""
+    settings = flat_settings(args)
     for flag, (op, bound) in bounds.items():
-        value = getattr(args, flag)
+        value = settings[flag]
         if not (math.isfinite(value) and (value > bound if op == ">" else value >= bound)):
             fail(f"--{flag.replace('_', '-')} {value:g}: must be a finite number {op} {bound:g}")
 
@@ -61,9 +62,10 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     """The flags both trainers share, checked before anything loads; a trainer's own checks run at
     their place among them: `check_algorithm_args(args)`, then the trained timesteps against
     `train_timestep_grid(grid, args)`."""
+    settings = flat_settings(args)
     for flag, least in SMALLEST.items():
-        if getattr(args, flag) < least:
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {least}")
+        if settings[flag] < least:
+            fail(f"--{flag.replace('_', '-')} {settings[flag]}: must be at least {least}")
     check_numbers(args, {"learning_rate": (">", 0), "adam_eps": (">", 0), "weight_decay": (">=", 0),
                          "max_grad_norm": (">", 0), "adv_clip": (">", 0),
                          "eval_guidance": (">=", 1)})
@@ -75,12 +77,13 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.max_sequence_length > 512:
         fail(f"--max-sequence-length {args.max_sequence_length}: SD3's T5 encoder takes at most "
              "512 tokens")
-    args.eval_judge = check_scoring_args(args.scoring, args.eval_judge, "--eval-judge",
-                                         judged=bool(args.eval_every))
-    if args.eval_every and args.eval_prompts < 1:
-        fail(f"--eval-prompts {args.eval_prompts}: validation needs a prompt (--eval-every 0 turns "
-             "validation off)")
-    if args.overwrite and args.resume_from:
+    validation = args.validation
+    validation.eval_judge = check_scoring_args(args.scoring, validation.eval_judge, "--eval-judge",
+                                               judged=bool(validation.eval_every))
+    if validation.eval_every and validation.eval_prompts < 1:
+        fail(f"--eval-prompts {validation.eval_prompts}: validation needs a prompt (--eval-every 0 "
+             "turns validation off)")
+    if args.output.overwrite and args.output.resume_from:
         fail("--overwrite with --resume-from: a resume continues the run, it never replaces it")
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: centering needs at least 2 images per prompt")
@@ -92,7 +95,7 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if args.resolution % 16:
         fail(f"--resolution {args.resolution} is not a multiple of 16 (VAE factor 8 x patch size "
              "2)")
-    if args.track:
+    if args.output.track:
         check_tracking()
     check_algorithm_args(args)
     check_finite(args)  # NaN or inf that the range checks let through: an EMA schedule's slope
@@ -131,7 +134,8 @@ def check_tracking():
 def scorers_of(args):
     """The names of the scorers a run loads: --reward's (its one reward, or a mix's components)
     and, when it validates, --eval-judge's."""
-    judges = judge_names(args.eval_judge) if args.eval_every else []
+    validation = args.validation
+    judges = judge_names(validation.eval_judge) if validation.eval_every else []
     return set(parse_mix(args.scoring.reward)) | set(judges)
 
 
@@ -156,8 +160,9 @@ def check_judge_models(scoring, names):
 def check_devices(args, runs_on):
     """--device, --reward-device and --text-encoder-device (empty: the actor's) name a cpu or cuda
     device this machine has; `runs_on` says who in the error, e.g. "evaluate.py runs"."""
-    for flag, name in [("device", args.device), ("reward_device", args.scoring.reward_device),
-                       ("text_encoder_device", args.text_encoder_device)]:
+    settings = flat_settings(args)
+    for flag in ("device", "reward_device", "text_encoder_device"):
+        name = settings[flag]
         option = f"--{flag.replace('_', '-')}"
         try:
             index = torch.device(name).index if name else None

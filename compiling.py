@@ -14,7 +14,7 @@ def start_precompile(args, compile_cache, device, world_size):
     and the first validation runs eagerly: the first compiled call of each graph family as the first
     iteration makes it, its rows from the functions the loop's passes use. Several ranks, a compile
     cache to load, or no first validation to hide them behind: no workers."""
-    if not compile_cache.cold or world_size > 1 or not args.eval_every:
+    if not compile_cache.cold or world_size > 1 or not args.validation.eval_every:
         return Precompile([])
     images = args.prompts_per_rank * args.group_size
     rows = images * args.num_train_timesteps
@@ -27,7 +27,8 @@ def start_precompile(args, compile_cache, device, world_size):
               {"adapter": "policy", "grad": True, "rows": policy.stop - policy.start},
               {"decode": min(rollout_images, 8)}]  # decode_latents' chunks
     return Precompile(passes, args.model, device, torch.bfloat16, (args.lora_rank, args.lora_alpha),
-                      args.gradient_checkpointing, args.resolution, 77 + args.max_sequence_length)
+                      args.machine.gradient_checkpointing, args.resolution,
+                      77 + args.max_sequence_length)
 
 
 class Compiler:
@@ -36,7 +37,8 @@ class Compiler:
     code runs eagerly until they are done; the graphs are then found in the on-disk caches."""
 
     def __init__(self, args, device, world_size):
-        self.cache = CompileCache(args.model, device, args.compile and device.type == "cuda")
+        compiled = args.machine.compile and device.type == "cuda"
+        self.cache = CompileCache(args.model, device, compiled)
         self.workers = start_precompile(args, self.cache, device, world_size)
 
     def compile(self, pipe):

@@ -16,9 +16,9 @@ read off flow-matching errors, onto the task reward. Unlike GRPO/DDPO-style diff
     tensorboard --logdir runs
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import torch
 import tyro
@@ -33,37 +33,28 @@ from omni_rollout import RolloutEngine
 from run import Run
 from scoring import training_scorer
 from sd3 import encode_prompts, load_pipeline, negative_embeddings
-from settings import WORDS, ScoringArgs
+from settings import TrainerArgs
 from validation import Validation
 
 
 @dataclass
-class Args:
+class Args(TrainerArgs):
     """Train SD3.5 with LoRA by reinforcement learning on the OCR text-rendering task."""
+
+    # TrainerArgs (settings.py): the flags outside the algorithm, read as args.scoring.reward,
+    # args.validation.eval_every, args.output.resume_from, args.machine.device and the like
 
     # Experiment
     exp_name: str = Path(__file__).stem
     """name of this experiment: the prefix of the run directory"""
     seed: int = 42
     """seed of the prompt order, rollout noise and training noise"""
-    output_dir: str = "runs"
-    """runs are written to {output_dir}/{run_name}/"""
-    run_name: str = ""
-    """run directory name; empty: {exp_name}__{reward}__{seed}__{unix time}"""
-    overwrite: bool = False
-    """replace a run already in the run directory (else it is refused, unless resumed)"""
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    """actor device; under torchrun each rank takes cuda:LOCAL_RANK"""
-    dry_run: bool = False
-    """check the arguments, prompt files and a local --model directory, then exit"""
 
     # Model, data and rollout
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local directory of SD3.5, `tiny` (CPU demo) or `random-sd3.5-medium`"""
     train_data: str = "data/ocr/train.jsonl"
     """training prompts (.jsonl from data.py, or Flow-GRPO's raw .txt)"""
-    eval_data: str = "data/ocr/test.jsonl"
-    """held-out validation prompts"""
     resolution: int = 512
     """image height and width in pixels (multiple of 16)"""
     prompts_per_rank: int = 4
@@ -72,28 +63,16 @@ class Args:
     """images per prompt: the group that advantages and centering run over"""
     num_steps: int = 10
     """rollout ODE steps (CFG 1, the sampling adapter)"""
-    rollout_engine: Literal["diffusers", "vllm-omni"] = "diffusers"
-    """what runs the rollout ODE: diffusers, or vLLM-Omni on one GPU (requirements-vllm.txt)"""
     max_sequence_length: int = 256
     """T5 prompt tokens"""
-    text_encoder_device: str = ""
-    """device of the CLIP and T5 text encoders (empty: the actor device)"""
     lora_rank: int = 32
     """LoRA rank"""
     lora_alpha: int = 64
     """LoRA alpha"""
     forward_batch_size: int = 48
     """most images in one no-grad transformer forward (0: all)"""
-    policy_timesteps_per_forward: int = 3
-    """timesteps of a micro batch in one policy forward and backward (more: faster, more memory)"""
-    gradient_checkpointing: bool = False
-    """recompute each block's activations in the policy backward (less memory, slower)"""
-    compile: bool = True
-    """torch.compile the transformer blocks and the VAE decoder on CUDA"""
 
-    # Reward
-    scoring: ScoringArgs = field(default_factory=ScoringArgs)
-    """what scores the images: --reward, and where its and the judges' models and servers are"""
+    # Reward (--reward, its models and servers: args.scoring)
     reward_aggregation: Literal["sum", "gdpo"] = "sum"
     """a mix's advantages: of its weighted sum (sum), or of the weighted sum of its rewards each
     standardised within its prompt group (gdpo, where the weights alone count)"""
@@ -121,33 +100,6 @@ class Args:
     """normalise advantages by the std over all images of the iteration (else per group)"""
     adv_clip: float = 5.0
     """advantages are clipped to [-adv_clip, adv_clip]"""
-
-    # Validation, logging and checkpoints
-    eval_every: int = 10
-    """validate before training and every N iterations (0: never)"""
-    eval_prompts: int = 32
-    """held-out prompts validated (the first N of eval_data)"""
-    eval_steps: int = 40
-    """validation ODE steps"""
-    eval_guidance: float = 4.5
-    """validation CFG scale (negative prompt "")"""
-    eval_seed: int = 0
-    """image i of validation always uses seed eval_seed + i"""
-    eval_judge: Annotated[str, WORDS, tyro.conf.arg(metavar="NAME ...")] = "paddle"
-    """judges of the validation images beside --reward, as --reward's names (none: off); each logged
-    as eval/<name>, PP-OCR as eval/reward_paddle"""
-    save_every: int = 10
-    """checkpoint every N iterations and at the end"""
-    keep_last: int = 2
-    """latest checkpoints kept (0: keep all)"""
-    resume_from: str = ""
-    """continue a global_step_N checkpoint, or `latest` of --run-name (none yet: start it anew)"""
-    track: bool = False
-    """log the run to Weights & Biases too, TensorBoard's scalars synced (requirements-track.txt)"""
-    wandb_project_name: str = "crd"
-    """the Weights & Biases project of --track"""
-    wandb_entity: str = ""
-    """the Weights & Biases entity (team) of --track; empty: the account's default"""
 
     # Algorithm: CRD
     crd_beta: float = 1.0
@@ -306,12 +258,12 @@ if __name__ == "__main__":
         compiler = Compiler(args, device, run.world_size)  # cold: workers compile meanwhile
         scorer = training_scorer(args, device, images_per_rank)  # a reward server is checked now
         pipe = load_pipeline(args.model, device, run.dtype, resolution=args.resolution,
-                             text_encoder_device=args.text_encoder_device or None)
+                             text_encoder_device=args.machine.text_encoder_device or None)
         negative = negative_embeddings(pipe, args.max_sequence_length)  # the empty prompt's
         validation = Validation(pipe, eval_set, args, scorer, negative, run, VALIDATION_ADAPTER)
     transformer = pipe.transformer
     add_lora_adapters(transformer, args.lora_rank, args.lora_alpha)  # policy, old, sampling
-    if args.gradient_checkpointing:
+    if args.machine.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     compiler.compile(pipe)
     params = lora_parameters(transformer, "policy")

@@ -116,15 +116,16 @@ def load_train_and_eval_prompts(args, world_size: int,
     --eval-data. Fewer training prompts than one iteration draws over all ranks is a DataError;
     with `verbose`, a validation set shorter than asked for, or one that is the training set, is
     printed."""
+    validation = args.validation
     train_set = load_prompts(args.train_data)[0]
-    eval_set = load_prompts(args.eval_data)[0][: args.eval_prompts]
-    if args.eval_every and len(eval_set) < args.eval_prompts and verbose:
-        print(f"--eval-prompts {args.eval_prompts}: {args.eval_data} holds {len(eval_set)}; "
-              "validating those")
-    same = Path(args.eval_data).resolve() == Path(args.train_data).resolve()
-    if args.eval_every and same and verbose:
-        print(f"--eval-data {args.eval_data} is --train-data: validation scores training prompts, "
-              "not held-out ones")
+    eval_set = load_prompts(validation.eval_data)[0][: validation.eval_prompts]
+    if validation.eval_every and len(eval_set) < validation.eval_prompts and verbose:
+        print(f"--eval-prompts {validation.eval_prompts}: {validation.eval_data} holds "
+              f"{len(eval_set)}; validating those")
+    same = Path(validation.eval_data).resolve() == Path(args.train_data).resolve()
+    if validation.eval_every and same and verbose:
+        print(f"--eval-data {validation.eval_data} is --train-data: validation scores training "
+              "prompts, not held-out ones")
     if len(train_set) < args.prompts_per_rank * world_size:
         raise DataError(f"--train-data {args.train_data}: {len(train_set)} prompt(s), fewer than "
                         f"the --prompts-per-rank {args.prompts_per_rank} x {world_size} rank(s) of "

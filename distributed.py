@@ -46,7 +46,7 @@ def shared_settings(args, algorithm):
     settings = {"the trainer": algorithm}
     settings |= {f"--{name.replace('_', '-')}": value for name, value in flat_settings(args).items()
                  if name not in PER_NODE}
-    hashes = prompt_files_sha256(vars(args))
+    hashes = prompt_files_sha256(flat_settings(args))
     for field, flag in PROMPT_FILES.items():
         digest = hashes.get(field)
         settings[f"{flag} contents"] = f"sha256 {digest[:16]}" if digest else "unreadable"

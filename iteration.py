@@ -18,7 +18,7 @@ def image_seed(seed, iteration, index):
 
 def policy_chunks(rows, args):
     """Slices of a micro batch's `rows`, one policy forward and backward each."""
-    per_forward = args.train_batch_size * args.policy_timesteps_per_forward
+    per_forward = args.train_batch_size * args.machine.policy_timesteps_per_forward
     return [slice(start, min(start + per_forward, rows)) for start in range(0, rows, per_forward)]
 
 

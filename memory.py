@@ -34,9 +34,9 @@ def iteration_memory(args, pipe, dtype):
     hidden = config.num_attention_heads * config.attention_head_dim
     layers = config.num_layers
     kept = ACTIVATIONS_PER_TOKEN * layers
-    if args.gradient_checkpointing:  # each block's input, and one block's while it is recomputed
+    if args.machine.gradient_checkpointing:  # each block's input, one block's while recomputed
         kept = layers + ACTIVATIONS_PER_TOKEN
-    policy_rows = args.train_batch_size * min(args.policy_timesteps_per_forward,
+    policy_rows = args.train_batch_size * min(args.machine.policy_timesteps_per_forward,
                                               args.num_train_timesteps)
     # a copy per training row while the reference and old passes run
     return [("prompt embeddings", (images + rows) * text_tokens * config.joint_attention_dim * size,

@@ -391,17 +391,17 @@ class RolloutEngine:
         self.world_size = world_size
         self.omni = None
         self.sample = rollout.sample
-        if args.rollout_engine == "vllm-omni":
+        if args.machine.rollout_engine == "vllm-omni":
             check_engine(world_size, device, args.model)  # loads nothing: before the models
 
     def start(self, pipe, dtype):
         """The vLLM-Omni engine, on `pipe` with its adapters; its start-up check (a non-zero adapter
         changes its output) failing is one line."""
-        if self.args.rollout_engine != "vllm-omni":
+        if self.args.machine.rollout_engine != "vllm-omni":
             return
         with loading_errors_as_one_line():
-            self.omni = OmniRollout(pipe, self.args.model, pipe.transformer.device,
-                                    self.world_size, dtype, enforce_eager=not self.args.compile)
+            self.omni = OmniRollout(pipe, self.args.model, pipe.transformer.device, self.world_size,
+                                    dtype, enforce_eager=not self.args.machine.compile)
         self.sample = self.omni.sample
 
     def close(self):

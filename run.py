@@ -62,7 +62,8 @@ def start_tracking(args, run_dir, resumed):
     # the run directory as TensorBoard's root: else wandb waits 10 s for more log directories
     wandb.tensorboard.patch(root_logdir=str(run_dir))
     try:
-        tracking = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity or None,
+        output = args.output
+        tracking = wandb.init(project=output.wandb_project_name, entity=output.wandb_entity or None,
                               sync_tensorboard=True, config=flat_settings(args),
                               name=Path(run_dir).name, id=run_id, resume="allow")
     except wandb.errors.Error as error:  # no login, a refused key, no server: wandb's own words
@@ -172,7 +173,7 @@ class Run:
         except RunError as error:
             fail(error)
         self.signals = GracefulStop()  # on every rank, before the models load
-        self.device = actor_device(args.device, self.world_size)  # several ranks: joins their group
+        self.device = actor_device(args.machine.device, self.world_size)  # joins the ranks' group
         self.check_same_settings()  # the first collective: before any could hang or mix settings
         cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cuda else torch.float32
@@ -211,7 +212,7 @@ class Run:
         """(train prompts, eval prompts), the model paths checked; --dry-run exits here."""
         args = self.args
         train_set, eval_set = load_train_and_eval_prompts(args, self.world_size, self.main_process)
-        self.prompt_sha256 = prompt_files_sha256(vars(args))  # as read: a later edit is refused
+        self.prompt_sha256 = prompt_files_sha256(flat_settings(args))  # as read: edits are refused
         self.train_set = train_set
         self.eval_set = eval_set
         check_model_path(args.model)
@@ -219,7 +220,7 @@ class Run:
         if "qwen-vl" in scorers:
             check_reward_model(args.scoring.reward_model)
         check_judge_models(args.scoring, scorers)
-        if args.dry_run:  # how run.sh checks a run before it starts a reward server
+        if args.output.dry_run:  # how run.sh checks a run before it starts a reward server
             shape = model_shape(args.model)  # the run checks this once the model has loaded
             if shape and (error := memory_error(args, shape, self.dtype, self.device)):
                 fail(error)
@@ -244,7 +245,7 @@ class Run:
         if self.main_process:
             purge = state["iteration"] + 1 if state["iteration"] else None
             keep_eval_scores_until(self.dir, state["iteration"])
-            if args.track:
+            if args.output.track:
                 self.tracking = start_tracking(args, self.dir, resumed=bool(state["iteration"]))
             self.writer = EventsFile(self.dir, purge)
             table = "\n".join(f"|{k}|{v}|" for k, v in flat_settings(args).items())
@@ -367,10 +368,11 @@ class Run:
     def save_if_due(self):
         """A checkpoint every --save-every iterations and at the end (main process)."""
         iterations = self.state["iteration"]
-        due = iterations % self.args.save_every == 0 or iterations == self.args.num_iterations
+        every = self.args.output.save_every
+        due = iterations % every == 0 or iterations == self.args.num_iterations
         if self.main_process and due:
             save_last_iteration(self.dir, self.state, self.transformer, self.optimizer,
-                                self.args.keep_last)
+                                self.args.output.keep_last)
 
     def error_line(self, error):
         """What ends the run in one line (checks.errors_end_in_one_line), with what to do: a failed
@@ -391,7 +393,7 @@ class Run:
             if self.optimizer_step.steps == self.steps_when_saved:
                 try:
                     saved = save_checkpoint(self.dir, state["iteration"], self.transformer,
-                                            self.optimizer, state, self.args.keep_last)
+                                            self.optimizer, state, self.args.output.keep_last)
                     kept = f"the latest checkpoint is {saved}"
                 except RunError as save_error:  # it names the latest complete checkpoint
                     kept = str(save_error)
@@ -428,7 +430,7 @@ class Run:
             print(f"{rank}warning: {what} {count} time(s), first in {first}", flush=True)
         if self.main_process and self.stopped_by and state["iteration"]:
             save_last_iteration(self.dir, state, self.transformer, self.optimizer,
-                                self.args.keep_last, self.stopped_by)
+                                self.args.output.keep_last, self.stopped_by)
         if self.main_process:
             print(json.dumps(self.write_summary(), indent=1))
             # the first line named the run directory, many progress lines ago

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from checkpoint import (CHECKPOINT_FILES, EVAL_SCORES, PROMPT_FILES, RunComplete, RunError, adapters_error, checkpoints,
                         prompt_files_sha256, read_checkpoint_state, resume_changes, tensor_shapes, whole)
+from settings import flat_settings
 
 
 # what makes a directory hold a run
@@ -33,55 +34,57 @@ def prepare_run(args, algorithm, world_size, main_process):
     """Before any model loads: the run directory, checked and (main process) locked, with a resume's checkpoint checked
     (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
     the checkpoint's. Returns (run directory, lock file to keep open or None)."""
-    check_directory_name("--run-name", args.run_name, "{run_name}")  # resolve_latest reads it
+    output = args.output  # --output-dir, --run-name, --resume-from, ...
+    check_directory_name("--run-name", output.run_name, "{run_name}")  # resolve_latest reads it
     check_directory_name("--exp-name", args.exp_name, "{exp_name}__{reward}__{seed}__{unix time}")
-    latest = args.resume_from == LATEST
-    replace_unsaved = resolve_latest(args, main_process)  # first: all below reads args.resume_from
-    resumed = read_checkpoint_state(args.resume_from) if args.resume_from else None  # first: is it a checkpoint?
+    latest = output.resume_from == LATEST
+    replace_unsaved = resolve_latest(output, main_process)  # first: all below reads output.resume_from
+    resumed = read_checkpoint_state(output.resume_from) if output.resume_from else None  # first: is it a checkpoint?
     reward = args.scoring.reward.replace(" ", "+")  # a mix: qwen-vl=0.8+pickscore=0.2
     default_name = f"{args.exp_name}__{reward}__{args.seed}__{int(time.time())}"
     created = False
-    if args.resume_from or args.run_name:
-        run_dir = run_directory(args, default_name)
+    if output.resume_from or output.run_name:
+        run_dir = run_directory(output, default_name)
     else:
-        create = main_process and not args.dry_run
-        run_dir, created = unused_directory(Path(args.output_dir), default_name, create)
-    if args.resume_from:
-        adapters = Path(args.resume_from) / "adapters.safetensors"
+        create = main_process and not output.dry_run
+        run_dir, created = unused_directory(Path(output.output_dir), default_name, create)
+    if output.resume_from:
+        adapters = Path(output.resume_from) / "adapters.safetensors"
         shapes = tensor_shapes(adapters)  # found before minutes of model loading
-        if not (Path(args.resume_from) / "optimizer.pt").is_file():
-            raise RunError(f"--resume-from {args.resume_from}: no optimizer.pt in this checkpoint")
+        if not (Path(output.resume_from) / "optimizer.pt").is_file():
+            raise RunError(f"--resume-from {output.resume_from}: no optimizer.pt in this checkpoint")
         if args.num_iterations < resumed["iteration"]:
-            raise RunError(f"--num-iterations {args.num_iterations}: {args.resume_from} has done {resumed['iteration']} "
-                           "iterations already")
+            raise RunError(f"--num-iterations {args.num_iterations}: {output.resume_from} has done "
+                           f"{resumed['iteration']} iterations already")
         refused, allowed = resume_changes(resumed, args, world_size, algorithm)
         if refused:
-            raise RunError(f"--resume-from {args.resume_from}: settings that define the run differ from the "
+            raise RunError(f"--resume-from {output.resume_from}: settings that define the run differ from the "
                            f"checkpoint's: {'; '.join(refused)} (resume with the checkpoint's values or start a new "
                            "run)")
         if error := adapters_error(shapes, args.lora_rank):  # the checkpoint's rank: another one is refused above
             raise RunError(f"{adapters}: {error}")
-        recorded = resumed["data_sha256"]
-        for field, now in prompt_files_sha256(vars(args)).items():  # the checkpoint's paths: others are refused above
+        recorded, settings = resumed["data_sha256"], flat_settings(args)
+        for field, now in prompt_files_sha256(settings).items():  # the checkpoint's paths: others are refused above
             if recorded.get(field, now) != now:
-                raise RunError(f"{PROMPT_FILES[field]} {getattr(args, field)}: its contents changed since "
-                               f"{Path(args.resume_from).name} (sha256 {recorded[field][:12]}... then, {now[:12]}... "
-                               "now); a resume needs the same prompts (restore the file, or start a new run)")
+                raise RunError(f"{PROMPT_FILES[field]} {settings[field]}: its contents changed since "
+                               f"{Path(output.resume_from).name} (sha256 {recorded[field][:12]}... then, "
+                               f"{now[:12]}... now); a resume needs the same prompts (restore the file, or start a "
+                               "new run)")
         if resumed["iteration"] == args.num_iterations:  # before the run directory is claimed: no new events file
-            raise RunComplete(f"{run_dir} is complete: its {Path(args.resume_from).name} has done all "
+            raise RunComplete(f"{run_dir} is complete: its {Path(output.resume_from).name} has done all "
                               f"{args.num_iterations} iterations (--num-iterations); to train it longer, resume it with "
                               "a larger --num-iterations", 0 if latest else 1)
         if allowed and main_process:
             print(f"resuming with changed settings: {'; '.join(allowed)}", flush=True)
     if not main_process:
         return run_dir, None
-    if args.dry_run:  # checked, but neither created nor locked: the real run may start in a while
+    if output.dry_run:  # checked, but neither created nor locked: the real run may start in a while
         if blocked := directory_blocked(run_dir):
             raise RunError(f"cannot create the run directory {run_dir}: {blocked}")
-        held_run(run_dir, bool(args.resume_from), args.overwrite or replace_unsaved)
+        held_run(run_dir, bool(output.resume_from), output.overwrite or replace_unsaved)
         return run_dir, None
-    replace = args.overwrite or replace_unsaved
-    return run_dir, claim_run_directory(run_dir, bool(args.resume_from), replace, created)
+    replace = output.overwrite or replace_unsaved
+    return run_dir, claim_run_directory(run_dir, bool(output.resume_from), replace, created)
 
 
 def check_directory_name(flag, name, run_name):
@@ -114,22 +117,22 @@ def unused_directory(parent, name, create):
         return path, True
 
 
-def resolve_latest(args, main_process):
+def resolve_latest(output, main_process):
     """--resume-from latest, in place: the newest readable checkpoint of {output_dir}/{run_name},
     or "" (a new run) where it has none. Returns whether that new run replaces what starts that
     saved no checkpoint left there (events, a summary of 0 iterations), else refused as a run
     already there: a restart before the first checkpoint (torchrun's after a lost rank, a requeued
     job's) then starts the run again instead of failing at every attempt."""
-    if args.resume_from != LATEST:
+    if output.resume_from != LATEST:
         return False
-    if not args.run_name:
+    if not output.run_name:
         raise RunError("--resume-from latest needs --run-name: without one, every start names a "
                        "new run directory (after its start time), never one with a checkpoint")
-    run_dir = Path(args.output_dir) / args.run_name
+    run_dir = Path(output.output_dir) / output.run_name
     found, skipped = latest_checkpoint(run_dir)
     for path, why in skipped if main_process else []:
         print(f"--resume-from latest: skipping {path.name} of {run_dir}: {why}", flush=True)
-    args.resume_from = str(found or "")
+    output.resume_from = str(found or "")
     if found:
         if main_process:
             print(f"--resume-from latest: {found}", flush=True)
@@ -207,18 +210,18 @@ def directory_blocked(path):
     return None
 
 
-def run_directory(args, default_name):
+def run_directory(output, default_name):
     """The run directory: the resumed checkpoint's parent, or {output_dir}/{run_name or default_name}. On resume, a
     --run-name or a non-default --output-dir naming another directory is an error, not silently ignored."""
-    if not args.resume_from:
-        return Path(args.output_dir) / (args.run_name or default_name)
-    run_dir = Path(args.resume_from).resolve().parent
-    named = Path(args.output_dir) / args.run_name if args.run_name else None
-    if named is None and args.output_dir != type(args).output_dir:
-        named = Path(args.output_dir) / run_dir.name
+    if not output.resume_from:
+        return Path(output.output_dir) / (output.run_name or default_name)
+    run_dir = Path(output.resume_from).resolve().parent
+    named = Path(output.output_dir) / output.run_name if output.run_name else None
+    if named is None and output.output_dir != type(output).output_dir:
+        named = Path(output.output_dir) / run_dir.name
     if named is not None and named.resolve() != run_dir:
-        raise RunError(f"--resume-from {args.resume_from} continues the run in {run_dir}, but --output-dir/--run-name "
-                       f"name {named}: drop them, or name that directory")
+        raise RunError(f"--resume-from {output.resume_from} continues the run in {run_dir}, but "
+                       f"--output-dir/--run-name name {named}: drop them, or name that directory")
     return run_dir
 
 

@@ -49,8 +49,8 @@ class Validation:
         self.weights = parse_mix(args.scoring.reward)
         self.judges = []  # ScoringThreads of judges.GuardedJudges
         self.listed_judges = []  # as listed, failed ones too: the first is the summary's judge
-        if run.main_process and args.eval_every:
-            names = [name for name in judge_names(args.eval_judge) if name not in self.weights]
+        if run.main_process and args.validation.eval_every:
+            names = [n for n in judge_names(args.validation.eval_judge) if n not in self.weights]
             judges = make_guarded_judges(names, **scorer_options(args.scoring, run.device))
             self.listed_judges = names
             self.judges = [ScoringThread(judge) for judge in judges]
@@ -61,7 +61,7 @@ class Validation:
         a resumed run has done)."""
         if iteration == 0 and self.run.state["iteration"]:  # resumed: its model is not the base's
             return False
-        every = self.args.eval_every
+        every = self.args.validation.eval_every
         last = iteration == self.args.num_iterations
         return bool(self.run.main_process and every and (iteration % every == 0 or last))
 
@@ -70,14 +70,16 @@ class Validation:
         [iteration, reward mean, the first judge's mean or None], and {judge: mean} after them
         unless the judges are PP-OCR's alone (or none)."""
         args = self.args
+        settings = args.validation  # --eval-steps, --eval-guidance, --eval-seed
         writer = self.run.writer
         started = time.perf_counter()
         self.run.phase = f"the validation after iteration {iteration}"
         embeds, pooled = encode_prompts(self.pipe, self.prompts, args.max_sequence_length)
-        seeds = [args.eval_seed + i for i in range(len(self.prompts))]
+        seeds = [settings.eval_seed + i for i in range(len(self.prompts))]
         with use_adapter(self.pipe.transformer, self.adapter), self.run.autocast:
-            samples = sample(self.pipe, embeds, pooled, seeds, args.eval_steps, args.eval_guidance,
-                             args.resolution, args.resolution, args.forward_batch_size,
+            samples = sample(self.pipe, embeds, pooled, seeds, settings.eval_steps,
+                             settings.eval_guidance, args.resolution, args.resolution,
+                             args.forward_batch_size,
                              negative_embeds=self.negative[0], negative_pooled=self.negative[1],
                              progress=True, on_decoded=self.score_chunk)
         images = samples["images"]

@@ -23,7 +23,7 @@ import evaluate
 import lora_adapters
 import run_summary
 import sd3
-from settings import ScoringArgs, flat_settings
+from settings import ScoringArgs, flat_settings, with_settings
 from test_trainers import ROOT
 
 # README's demo ("The two commands"): {flag: value}
@@ -307,7 +307,7 @@ def large_optimizer():
 
 def run_state(tmp_path, iteration):
     """A trainer's state (start_state's fields) of a crd.py run of 2 iterations in tmp_path."""
-    args = crd.Args(output_dir=str(tmp_path), num_iterations=2, train_batch_size=4)
+    args = with_settings(crd.Args(num_iterations=2, train_batch_size=4), output_dir=str(tmp_path))
     return {"iteration": iteration, "optimizer_steps": iteration, "eval": [[0, 0.5, None]],
             "iteration_s": [1.0] * iteration, "start_iterations": [1], "peak_mem_gib": {},
             "sampler": {"epoch": 0, "position": 2}, "args": json.loads(json.dumps(flat_settings(args))),

@@ -2,7 +2,6 @@
 old and damaged checkpoints, resume rules at another world size, --overwrite, an empty run's summary, the --help text,
 EMA schedules that would leave [0, 1] and settings out of their range."""
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -31,7 +30,7 @@ from ocr_server import ocr_server
 import run_dirs
 from scoring import GuardedScorer
 import sd3
-from settings import ScoringArgs, flat_settings
+from settings import OutputArgs, ScoringArgs, flat_settings, with_settings
 from test_trainers import DATA, ROOT, TINY_RUN, train
 
 
@@ -177,7 +176,7 @@ def test_a_trainer_state_lacking_a_field_is_named(tmp_path):
 
 def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(lora_transformer, tmp_path):
     transformer, optimizer = lora_transformer
-    args = crd.Args(train_batch_size=6, output_dir=str(tmp_path), lora_rank=4, lora_alpha=4)
+    args = with_settings(crd.Args(train_batch_size=6, lora_rank=4, lora_alpha=4), output_dir=str(tmp_path))
     state = {"iteration": 1, "optimizer_steps": 4, "sampler": {"epoch": 0, "position": 2}, "eval": [],
              "iteration_s": [1.0], "start_iterations": [1], "peak_mem_gib": {}, "world_size": 1,
              "algorithm": "crd", "data_sha256": {}, "args": json.loads(json.dumps(flat_settings(args)))}
@@ -187,7 +186,7 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
 
     def resume(path):
         with pytest.raises(checkpoint.RunError) as error:
-            run_dirs.prepare_run(crd.Args(**{**vars(args), "resume_from": str(path)}), "crd", 1, True)
+            run_dirs.prepare_run(with_settings(args, resume_from=str(path)), "crd", 1, True)
         return str(error.value)
 
     assert "--resume-from" in resume(tmp_path / "run") and "not a checkpoint directory" in resume(tmp_path / "run")
@@ -196,7 +195,7 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
                            "iteration and sampler)"
     (step / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(checkpoint.RunError, match=re.escape(f"--num-iterations 0: {step} has done 1 iterations already")):
-        run_dirs.prepare_run(crd.Args(**{**vars(args), "resume_from": str(step), "num_iterations": 0}), "crd", 1, True)
+        run_dirs.prepare_run(with_settings(args, resume_from=str(step), num_iterations=0), "crd", 1, True)
     adapters = (step / "adapters.safetensors").read_bytes()
     (step / "adapters.safetensors").write_bytes(adapters[:100])
     assert resume(step).startswith(f"{step / 'adapters.safetensors'}: not a readable safetensors file (")
@@ -211,10 +210,11 @@ def test_a_damaged_checkpoint_or_run_directory_is_named_before_the_model_loads(l
     (tmp_path / "file").write_text("")
     for dry_run in (False, True):
         with pytest.raises(checkpoint.RunError, match=re.escape(f"cannot create the run directory {tmp_path}/file/r")):
-            run_dirs.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=dry_run), "crd", 1,
-                                   True)
+            run_dirs.prepare_run(with_settings(crd.Args(), output_dir=str(tmp_path / "file"), run_name="r",
+                                               dry_run=dry_run), "crd", 1, True)
     with pytest.raises(checkpoint.RunError, match=re.escape(f"{tmp_path}/file/r: {tmp_path}/file is a file, not a")):
-        run_dirs.prepare_run(crd.Args(output_dir=str(tmp_path / "file"), run_name="r", dry_run=True), "crd", 1, True)
+        run_dirs.prepare_run(with_settings(crd.Args(), output_dir=str(tmp_path / "file"), run_name="r", dry_run=True),
+                             "crd", 1, True)
 
 
 def saved_run(lora_transformer, tmp_path):
@@ -223,8 +223,8 @@ def saved_run(lora_transformer, tmp_path):
     transformer, optimizer = lora_transformer
     for name in ("train.txt", "test.txt"):
         shutil.copy(DATA / name, tmp_path / name)
-    args = crd.Args(train_batch_size=4, lora_rank=4, lora_alpha=4, train_data=str(tmp_path / "train.txt"),
-                    eval_data=str(tmp_path / "test.txt"), output_dir=str(tmp_path), run_name="run", dry_run=True)
+    args = with_settings(crd.Args(train_batch_size=4, lora_rank=4, lora_alpha=4), train_data=str(tmp_path / "train.txt"),
+                         eval_data=str(tmp_path / "test.txt"), output_dir=str(tmp_path), run_name="run", dry_run=True)
     state = {"iteration": 1, "optimizer_steps": 1, "eval": [[0, 0.5, None], [1, float("nan"), None]],
              "iteration_s": [2.5], "start_iterations": [1], "peak_mem_gib": {"actor rank 0 cpu": 0.6},
              "sampler": {"epoch": 0, "position": 2}, "args": json.loads(json.dumps(flat_settings(args))), "world_size": 1,
@@ -235,7 +235,7 @@ def saved_run(lora_transformer, tmp_path):
 
 def resume(args, step, **changes):
     """prepare_run of a resume from step (the main process of one): (run directory, lock)."""
-    return run_dirs.prepare_run(dataclasses.replace(args, resume_from=str(step), **changes), "crd", 1, True)
+    return run_dirs.prepare_run(with_settings(args, resume_from=str(step), **changes), "crd", 1, True)
 
 
 def edit_state(step, **fields):
@@ -335,10 +335,10 @@ def test_adapters_that_do_not_fit_the_model_are_named(lora_transformer, tmp_path
 def test_a_resume_reports_no_change_of_where_the_run_is_when_that_is_not_given(lora_transformer, tmp_path, capsys):
     """--output-dir and --run-name left out: the run continues in the checkpoint's directory, no change to report."""
     step, args = saved_run(lora_transformer, tmp_path)
-    run_dir, _ = resume(args, step, output_dir=crd.Args.output_dir, run_name="", eval_every=args.eval_every + 1)
+    every = args.validation.eval_every
+    run_dir, _ = resume(args, step, output_dir=OutputArgs.output_dir, run_name="", eval_every=every + 1)
     assert run_dir == step.parent
-    assert capsys.readouterr().out == f"resuming with changed settings: eval_every {args.eval_every} -> " \
-                                      f"{args.eval_every + 1}\n"
+    assert capsys.readouterr().out == f"resuming with changed settings: eval_every {every} -> {every + 1}\n"
 
 
 def test_a_resume_refuses_prompt_files_whose_contents_changed(lora_transformer, tmp_path):
@@ -374,14 +374,14 @@ def test_prompt_files_edited_during_a_run_are_refused_at_resume(lora_transformer
     transformer, optimizer = lora_transformer
     step, args = saved_run(lora_transformer, tmp_path)  # the prompt files in tmp_path, as the run reads them
     started = hashlib.sha256((tmp_path / "train.txt").read_bytes()).hexdigest()
-    args = dataclasses.replace(args, dry_run=False)
+    args = with_settings(args, dry_run=False)
     state = checkpoint.start_state(args, transformer, optimizer, GroupSampler(4, 1, 4, 0, 0, 1), "cpu", 1, "crd",
-                                   checkpoint.prompt_files_sha256(vars(args)))
+                                   checkpoint.prompt_files_sha256(flat_settings(args)))
     (tmp_path / "train.txt").write_text((tmp_path / "train.txt").read_text().replace("a", "b"))
     step = checkpoint.save_checkpoint(tmp_path / "run", 2, transformer, optimizer, {**state, "iteration": 2}, 0)
     assert json.loads((step / "trainer_state.json").read_text())["data_sha256"]["train_data"] == started
     with pytest.raises(checkpoint.RunError, match="its contents changed since global_step_2"):
-        resume(dataclasses.replace(args, dry_run=True), step)
+        resume(with_settings(args, dry_run=True), step)
 
 
 @pytest.mark.long
@@ -410,8 +410,9 @@ def test_zero_iterations_write_a_valid_summary_with_nulls(tiny_model_dir, tmp_pa
 
 @pytest.mark.parametrize("script", ["crd.py", "dgpo.py"])
 def test_help_shows_one_default_per_flag(script):
+    # as wide as one column of boxes goes: tyro sets them side by side from 130 columns
     result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, check=True,
-                            env={**os.environ, "COLUMNS": "200"})
+                            env={**os.environ, "COLUMNS": "129"})
     flags = re.split(r"\n[│| ]+(?=--[a-z])", result.stdout)
     for flag in ("--run-name", "--text-encoder-device", "--reward-device", "--keep-last", "--overwrite"):
         (text,) = [f for f in flags if f.startswith((flag + " ", flag + ","))]
@@ -518,7 +519,7 @@ def test_a_failing_scorer_returns_nan_and_keeps_its_first_failure(capsys):
 def test_an_ema_schedule_outside_0_1_is_named(trainer, flags, message):
     trainer.check_args(trainer.Args(train_batch_size=6))  # the defaults pass (train_batch_size as resolved from 0)
     with pytest.raises(SystemExit, match=re.escape(message)):
-        trainer.check_args(trainer.Args(train_batch_size=6, **flags))
+        trainer.check_args(with_settings(trainer.Args(train_batch_size=6), **flags))
 
 
 
@@ -572,4 +573,4 @@ def test_a_nonfinite_schedule_or_a_weight_float32_cannot_hold_stops_the_trainer(
 def test_a_setting_out_of_its_range_is_named(trainer, flags, message):
     trainer.check_args(trainer.Args(train_batch_size=6))
     with pytest.raises(SystemExit, match=re.escape(message)):
-        trainer.check_args(trainer.Args(train_batch_size=6, **flags))
+        trainer.check_args(with_settings(trainer.Args(train_batch_size=6), **flags))

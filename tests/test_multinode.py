@@ -6,7 +6,6 @@ Each "node" is one `bash run.sh crd` (torchrun's agent, one CPU rank, gloo) on t
 this cannot show is a real network between hosts: every process here talks over the loopback.
 """
 
-import dataclasses
 import fcntl
 import json
 import os
@@ -25,6 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import checkpoint
 import crd
 import run_dirs
+from settings import with_settings
 from test_distributed import DIST_ENV, ROOT, TIMEOUT, TINY_RUN, adapters
 from test_hardening import lora_transformer, saved_run  # noqa: F401 (a fixture, used by name)
 from test_run_sh import fake_tools, free_port
@@ -336,15 +336,15 @@ def test_a_resume_with_other_settings_on_one_node_stops_at_once(one_node, tiny_m
 
 def latest(args, **changes):
     """prepare_run with --resume-from latest (the main process of one): (run directory, lock)."""
-    return run_dirs.prepare_run(dataclasses.replace(args, resume_from="latest", **changes), "crd",
+    return run_dirs.prepare_run(with_settings(args, resume_from="latest", **changes), "crd",
                                   1, True)
 
 
 def test_latest_without_a_checkpoint_starts_a_new_run(tmp_path, capsys):
-    args = crd.Args(output_dir=str(tmp_path), run_name="run", resume_from="latest")
+    args = with_settings(crd.Args(), output_dir=str(tmp_path), run_name="run", resume_from="latest")
     run_dir, lock = run_dirs.prepare_run(args, "crd", 1, True)
     lock.close()
-    assert args.resume_from == "" and run_dir == tmp_path / "run"
+    assert args.output.resume_from == "" and run_dir == tmp_path / "run"
     new_run = f"--resume-from latest: no checkpoint in {run_dir}: a new run"
     assert capsys.readouterr().out == f"{new_run}\n"
     # what a start killed before its first checkpoint leaves: replaced, or no restart could start
@@ -359,14 +359,14 @@ def test_latest_without_a_checkpoint_starts_a_new_run(tmp_path, capsys):
 
 def test_latest_refuses_what_it_cannot_continue_in_one_line(tmp_path):
     with pytest.raises(checkpoint.RunError) as error:
-        latest(crd.Args(output_dir=str(tmp_path)))
+        latest(with_settings(crd.Args(), output_dir=str(tmp_path)))
     assert str(error.value) == ("--resume-from latest needs --run-name: without one, every "
                                 "start names a new run directory (after its start time), never "
                                 "one with a checkpoint")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "summary.json").write_text(json.dumps({"iterations": 12}))
     with pytest.raises(checkpoint.RunError) as error:
-        latest(crd.Args(output_dir=str(tmp_path), run_name="run"))
+        latest(with_settings(crd.Args(), output_dir=str(tmp_path), run_name="run"))
     assert str(error.value) == (f"--resume-from latest: {tmp_path / 'run'} holds a run of 12 "
                                 "iterations (summary.json) but no complete checkpoint; resume "
                                 "from a checkpoint path, or remove it or choose another --run-name")
@@ -388,10 +388,10 @@ def test_latest_takes_the_newest_complete_checkpoint(lora_transformer, tmp_path,
     (run_dir / ".global_step_4.x7rq2m").mkdir()
     shutil.copy(first / "trainer_state.json", run_dir / ".global_step_4.x7rq2m")
     capsys.readouterr()
-    resolved = dataclasses.replace(args, resume_from="latest", dry_run=False)
+    resolved = with_settings(args, resume_from="latest", dry_run=False)
     found_in, lock = run_dirs.prepare_run(resolved, "crd", 1, True)
     assert found_in == run_dir
-    assert resolved.resume_from == str(run_dir / "global_step_2")
+    assert resolved.output.resume_from == str(run_dir / "global_step_2")
     assert not (run_dir / ".global_step_4.x7rq2m").exists()
     assert capsys.readouterr().out.splitlines()[:2] == [
         f"--resume-from latest: skipping global_step_3 of {run_dir}: incomplete (no optimizer.pt)",
@@ -411,7 +411,8 @@ def test_a_rank_that_found_another_latest_checkpoint_stops(monkeypatch):
     monkeypatch.setattr(checkpoint.dist, "broadcast", lambda tensor, src: tensor.fill_(1))
     checkpoint.check_same_start(1, crd.Args(), "cpu", 2)  # rank 0's iteration: it starts
     with pytest.raises(checkpoint.RunError) as error:
-        checkpoint.check_same_start(2, crd.Args(resume_from="x/global_step_2"), "cpu", 2)
+        checkpoint.check_same_start(2, with_settings(crd.Args(), resume_from="x/global_step_2"),
+                                    "cpu", 2)
     assert str(error.value) == ("rank 1 starts at iteration 2 (x/global_step_2), rank 0 at "
                                 "iteration 1: every node must see the same run directory, on "
                                 "storage they share")

@@ -6,7 +6,6 @@ the engine cannot serve is one line.
 Run: python -m pytest -q -n 0 tests/test_omni_runs.py
 """
 
-import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ import crd
 import omni_rollout
 import rollout
 import sd3
+from settings import with_settings
 from tensorboard_logs import scalars
 from test_omni_rollout import write_stand_in
 from test_omni_rollout import lora_pipe, on_cpu, stand_in, stand_in_dir  # noqa: F401, F811
@@ -101,7 +101,7 @@ def test_a_resume_may_change_the_engine_and_a_checkpoint_before_the_flag_resumes
     crd.check_args(args)
     saved = {"args": json.loads(json.dumps(checkpoint.record_args(args))), "world_size": 1,
              "algorithm": "crd"}
-    engine_args = dataclasses.replace(args, rollout_engine="vllm-omni")
+    engine_args = with_settings(args, rollout_engine="vllm-omni")
     assert checkpoint.resume_changes(saved, engine_args, 1, "crd") == \
         ([], ["rollout_engine diffusers -> vllm-omni"])
 
@@ -109,9 +109,9 @@ def test_a_resume_may_change_the_engine_and_a_checkpoint_before_the_flag_resumes
 # ---- one-line refusals, as the trainers make and start the engine --------------------------
 
 
-def engine_args(**changes):
-    return SimpleNamespace(**{"rollout_engine": "vllm-omni", "model": "tiny", "compile": False,
-                              **changes})
+def engine_args(model="tiny", **machine):
+    return SimpleNamespace(model=model, machine=SimpleNamespace(
+        **{"rollout_engine": "vllm-omni", "compile": False, **machine}))
 
 
 def one_line_exit(call):
@@ -156,7 +156,7 @@ def test_the_engine_starts_on_the_adapters_and_closes(stand_in, on_cpu, lora_pip
 
 
 def test_the_diffusers_engine_is_rollout_sample_and_starts_nothing(lora_pipe):
-    engine = omni_rollout.RolloutEngine(SimpleNamespace(rollout_engine="diffusers"), 4, "cpu")
+    engine = omni_rollout.RolloutEngine(engine_args(rollout_engine="diffusers"), 4, "cpu")
     engine.start(lora_pipe, torch.float32)
     assert engine.sample is rollout.sample and engine.omni is None
     engine.close()

@@ -44,12 +44,14 @@ def test_only_a_cold_start_of_one_rank_that_validates_first_starts_workers(tmp_p
     """Workers pay off only behind model loading and the first validation of a start that compiles everything."""
     import compiling
     import crd
+    from settings import ValidationArgs
 
     monkeypatch.setenv("CRD_CACHE", str(tmp_path))
     cold = rollout.CompileCache("tiny", torch.device("cpu"), enabled=True)  # no file to load
     off = rollout.CompileCache("tiny", torch.device("cpu"), enabled=False)  # --no-compile, or the CPU
     assert cold.cold and not off.cold
-    for args, cache, world_size in [(crd.Args(eval_every=0), cold, 1), (crd.Args(), cold, 2), (crd.Args(), off, 1)]:
+    no_validation = crd.Args(validation=ValidationArgs(eval_every=0))
+    for args, cache, world_size in [(no_validation, cold, 1), (crd.Args(), cold, 2), (crd.Args(), off, 1)]:
         workers = compiling.start_precompile(args, cache, "cpu", world_size)
         assert workers.passes == [] and workers.workers == []
 

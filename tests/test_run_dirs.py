@@ -16,15 +16,15 @@ from safetensors.torch import load_file
 import checkpoint
 import crd
 import run_dirs
-from settings import ScoringArgs
+from settings import ScoringArgs, with_settings
 from test_trainers import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def prepare(**fields):
+def prepare(**settings):
     """prepare_run of a crd run on one rank, as its main process."""
-    return run_dirs.prepare_run(crd.Args(**fields), "crd", 1, True)
+    return run_dirs.prepare_run(with_settings(crd.Args(), **settings), "crd", 1, True)
 
 
 @pytest.mark.parametrize("name", ["ABSOLUTE", "../up", "a/b", "..", ".", "  "])
