@@ -1,5 +1,7 @@
-"""Flow-Factory's CRD trainer beside ours on the same work, in one call: seconds an iteration,
-training images a second, the split into rollout and training, and peak device memory of each.
+"""Flow-Factory's CRD trainer and ours side by side in one call, on the same work.
+
+Each one's seconds an iteration, training images a second, split into rollout and training, and
+peak device memory, with the settings that could not be matched.
 
     python benchmark/peers.py --flow-factory ~/Flow-Factory --iterations 6 --out peers.json
     python benchmark/peers.py --flow-factory ~/Flow-Factory --tiny --iterations 2   # on a CPU
