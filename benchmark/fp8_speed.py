@@ -19,7 +19,6 @@ ones) into float8 with dynamic activation scales, per row and per tensor:
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,25 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lora_adapters  # noqa: E402
 import rollout  # noqa: E402
 import sd3  # noqa: E402
+from benchmark.attention_speed import cuda_seconds  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
 IMAGES = 24
 GUIDANCE = 4.5
 FORWARDS = {"rollout": 240, "guided_base": 432, "old": 216, "policy": 648}  # image-forwards
-
-
-def cuda_seconds(fn, repeats=10):
-    """Median seconds of fn() over `repeats` runs after two warm-ups."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def relative_l2(a, b):
