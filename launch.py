@@ -22,10 +22,11 @@ torchrun kills ranks that are still running --shutdown-timeout seconds (default 
 graceful stop the time of an iteration and a checkpoint (run.sh does).
 At the end each node's agent waits for the others' (torch's exit barrier, 300 s): the ranks leave
 together, so here it waits EXIT_BARRIER_TIMEOUT seconds (30), and an agent that never comes (killed,
-or failed on its node) is one line.
+or failed on its node) is one line. The agent that hosts the rendezvous store (is_host) then leaves
+last, once every other agent has closed the rendezvous: its store ends with it, and torch let it go
+first, so that another node's last store call failed (a warning, or C++ stack dumps).
 """
 
-import logging
 import os
 import signal
 import sys
@@ -40,14 +41,18 @@ AGENT_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL" not in os.environ
 if AGENT_CPP_LOG_LEVEL:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 
+import torch.distributed as dist  # noqa: E402
 import torch.distributed.launcher.api as launcher_api  # noqa: E402
-from torch.distributed.elastic.agent.server import api as agent_api  # noqa: E402
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID  # noqa: E402
 from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: E402
     LocalElasticAgent)
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousConnectionError, RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous.utils import (  # noqa: E402
+    _matches_machine_hostname, parse_rendezvous_endpoint)
+from torch.distributed.elastic.utils import store as store_util  # noqa: E402
 from torch.distributed.run import determine_local_world_size, main, parse_args  # noqa: E402
 
 # a rank's exit code after the stop every rank agrees on when any rank gets SIGTERM or SIGINT (128 + signal)
@@ -90,25 +95,30 @@ def exit_barrier_timeout():
     return seconds_above_0(os.environ.get("EXIT_BARRIER_TIMEOUT", "30"), "EXIT_BARRIER_TIMEOUT")
 
 
-class BarrierTimeout(logging.Filter):
-    """Takes torch's traceback of an exit barrier that timed out, and says it in one line."""
+def rdzv_settings(rdzv_conf):
+    """torchrun's --rdzv-conf (key=value,...) as a dict."""
+    return dict(pair.split("=", 1) for pair in rdzv_conf.split(",") if "=" in pair)
 
-    def __init__(self, seconds):
-        super().__init__()
-        self.seconds = seconds
 
-    def filter(self, record):
-        if not record.getMessage().startswith("Error waiting on exit barrier"):
-            return True
-        print(f"launch.py: another node's agent did not finish in {self.seconds:g} s "
-              "(EXIT_BARRIER_TIMEOUT): it was killed or its ranks failed; this node's ranks ended",
-              file=sys.stderr, flush=True)
-        return False
+def hosts_rendezvous_store(args):
+    """Whether this agent hosts the c10d rendezvous store, as torch decides: its is_host, else
+    whether the endpoint names this machine (a second agent here, which then finds the port taken
+    and joins as a client, waits at the end as the host does, and is woken with it)."""
+    if args.rdzv_backend != "c10d":
+        return False  # etcd's store outlives every agent; static is not used here
+    is_host = rdzv_settings(args.rdzv_conf).get("is_host")
+    if is_host is not None:
+        return is_host.lower() in ("1", "true", "t", "yes", "y")  # torch's reading of the value
+    try:
+        host, _ = parse_rendezvous_endpoint(args.rdzv_endpoint, 29400)
+    except ValueError:
+        return False  # torchrun reports the endpoint itself, as before
+    return _matches_machine_hostname(host)
 
 
 def join_timeout(rdzv_conf):
     """The join timeout of torchrun's --rdzv-conf (key=value,...), 600 s where it names none."""
-    value = dict(pair.split("=", 1) for pair in rdzv_conf.split(",") if "=" in pair).get("join_timeout", "600")
+    value = rdzv_settings(rdzv_conf).get("join_timeout", "600")
     return seconds_above_0(value, "--rdzv-conf join_timeout")
 
 
@@ -153,14 +163,62 @@ class TrainerAgent(LocalElasticAgent):
     would wait its join timeout for the node that was stopped; and that it says how long it has
     waited for the other nodes to join the rendezvous."""
 
-    def __init__(self, *args, waiting_line, join_timeout_s, **kwargs):
+    def __init__(self, *args, waiting_line, join_timeout_s, hosts_store, **kwargs):
         super().__init__(*args, **kwargs)
         self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
+        self.hosts_store, self.met_at_exit = hosts_store, False
+        # torchrun's launcher shuts the rendezvous down after run() returns: this agent's last
+        # use of the store, after which the host may take it away
+        handler = self._worker_group.spec.rdzv_handler
+        handler.shutdown = partial(self._close_rendezvous, handler.shutdown)
 
     def _rendezvous(self, worker_group):
         handler = worker_group.spec.rdzv_handler
         with lines_while_waiting(self.waiting_line, self.join_timeout_s, lambda: nodes_joined(handler)):
             super()._rendezvous(worker_group)
+
+    def _exit_barrier(self):
+        """torch's exit barrier, where an agent that never came is one line, not a traceback."""
+        self._in_exit_barrier = True  # torch's health check counts the agent alive meanwhile
+        try:
+            store_util.barrier(self._store, self._worker_group.group_world_size,
+                               _TERMINAL_STATE_SYNC_ID, self._exit_barrier_timeout)
+            self.met_at_exit = True
+        except dist.DistError as error:
+            self._say_peer_lost(error, "during the exit barrier", "did not finish")
+        finally:
+            self._in_exit_barrier = False
+
+    def _close_rendezvous(self, shutdown):
+        """The rendezvous's shutdown; after an exit barrier every agent came to, each agent then
+        counts itself out, and the host of the store waits until all have (EXIT_BARRIER_TIMEOUT)."""
+        closed = shutdown()
+        nodes = self._worker_group.group_world_size
+        if not self.met_at_exit or nodes < 2:
+            return closed
+        left, everyone_left = "launch.py/left", "launch.py/everyone_left"
+        try:
+            with store_util.store_timeout(self._store, self._exit_barrier_timeout):
+                if self._store.add(left, 1) == nodes:
+                    self._store.set(everyone_left, "")
+                if self.hosts_store:
+                    self._store.wait([everyone_left])
+        except dist.DistError as error:
+            self._say_peer_lost(error, "before this node closed the rendezvous",
+                                "did not close the rendezvous after the exit barrier")
+        return closed
+
+    def _say_peer_lost(self, error, when, what_it_did_not):
+        """One line for a store call at the end that failed: the store's host gone (a network
+        error) or, where it timed out, another node's agent that never came."""
+        if isinstance(error, dist.DistNetworkError):
+            print(f"launch.py: the node that hosts the rendezvous store (is_host=1, run.sh's "
+                  f"NODE_RANK=0) went away {when}: its agent was killed; this node's ranks ended",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"launch.py: another node's agent {what_it_did_not} in "
+                  f"{self._exit_barrier_timeout:g} s (EXIT_BARRIER_TIMEOUT): it was killed or its "
+                  "ranks failed; this node's ranks ended", file=sys.stderr, flush=True)
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
@@ -195,8 +253,8 @@ if __name__ == "__main__":
     waiting = (f"waiting for every one of the {torchrun_args.nnodes} nodes to join the rendezvous at "
                f"{torchrun_args.rdzv_endpoint} (its join timeout: --rdzv-conf join_timeout, run.sh's JOIN_TIMEOUT)")
     launcher_api.LocalElasticAgent = partial(TrainerAgent, exit_barrier_timeout=barrier_s, waiting_line=waiting,
-                                             join_timeout_s=join_timeout(torchrun_args.rdzv_conf))
-    agent_api.logger.addFilter(BarrierTimeout(barrier_s))
+                                             join_timeout_s=join_timeout(torchrun_args.rdzv_conf),
+                                             hosts_store=hosts_rendezvous_store(torchrun_args))
     try:
         main()
     except SignalException as stop:

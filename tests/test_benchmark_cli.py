@@ -1,6 +1,7 @@
 """The benchmarks as a new user meets them on a CPU machine: one line where a GPU is needed, and
 progress lines from those that run for minutes there."""
 
+import importlib.util
 import json
 import os
 import re
@@ -8,6 +9,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +38,74 @@ def test_wall_clock_on_a_machine_without_a_gpu_is_one_line(tmp_path):
         "wall_clock.py: error: needs a CUDA GPU (torch sees none): it times the full-size "
         "recipe; --tiny times README's demo on the CPU"]
     assert not out.exists()
+
+
+def test_peers_on_a_machine_without_a_gpu_is_one_line(tmp_path):
+    out = tmp_path / "peers.json"
+    result = run("benchmark/peers.py", "--flow-factory", tmp_path, "--out", out,
+                 env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        "peers.py: error: needs a CUDA GPU (torch sees none): it times both trainers on "
+        "SD3.5-M; --tiny runs them on the tiny model on the CPU"]
+    assert not out.exists()
+
+
+def test_peers_with_a_folder_that_is_no_flow_factory_checkout_is_one_line(tmp_path):
+    """Before anything runs or is written."""
+    out = tmp_path / "peers.json"
+    result = run("benchmark/peers.py", "--flow-factory", tmp_path / "Flow-Factory", "--tiny",
+                 "--out", out)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"peers.py: error: --flow-factory {tmp_path / 'Flow-Factory'}: not a Flow-Factory "
+        "checkout (no src/flow_factory/trainers/crd.py or flow_factory/trainers/crd.py there)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def flow_factory_checkout() -> Path | None:
+    """A checkout of X-GenGroup/Flow-Factory: $FLOW_FACTORY_CHECKOUT, else the copy of its
+    source at /work/peers/peer_ff/src, else None."""
+    for path in (os.environ.get("FLOW_FACTORY_CHECKOUT"), "/work/peers/peer_ff/src"):
+        if path and Path(path).is_dir():
+            return Path(path)
+    return None
+
+
+def test_peers_runs_flow_factory_and_crd_on_the_tiny_model_side_by_side(tmp_path, request):
+    """peers.py --tiny with a Flow-Factory checkout (where there is one: CI reaches only package
+    registries, and gets none): both trainers' steady iteration, images a second, split and
+    peak memory, their commands, Flow-Factory's config on the tiny model, what differs."""
+    checkout = flow_factory_checkout()
+    if checkout is None:
+        pytest.skip("no Flow-Factory checkout: set FLOW_FACTORY_CHECKOUT to one")
+    missing = [name for name in ("datasets", "dill", "multiprocess", "pyarrow", "pandas",
+                                 "imageio") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"Flow-Factory's packages not installed: {', '.join(missing)}")
+    model = request.getfixturevalue("tiny_model_dir")  # built once for the session
+    out = tmp_path / "peers.json"
+    result = run("benchmark/peers.py", "--flow-factory", checkout, "--tiny", "--iterations", 2,
+                 "--out", out, env={"CRD_CACHE": str(model.parent)})
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    report = json.loads(out.read_text())
+    assert report["work"]["model"] == str(model) and report["work"]["images_per_iteration"] == 8
+    settings = [item["setting"] for item in report["unmatched"]]
+    assert settings[:2] == ["rollout batch", "timesteps a forward"]
+    assert "torch.compile" not in settings  # neither compiles on the CPU
+    for name, entry_point, phases in (
+            ("ours", "crd.py", {"rollout_s", "reward_wait_s", "train_s", "reward_s"}),
+            ("flow_factory", "flow_factory_timed.py", {"rollout_s", "reward_s", "train_s"})):
+        trainer = report[name]
+        assert trainer["returncode"] == 0 and entry_point in trainer["command"]
+        assert len(trainer["iterations_s"]) == 2
+        assert trainer["seconds_per_iteration"] == trainer["iterations_s"][1]
+        assert trainer["train_images_per_s"] == round(8 / trainer["seconds_per_iteration"], 3)
+        assert set(trainer["split"]) == phases and trainer["peak_memory_gib"] > 0
+        assert len(trainer["unmatched"]) == len(settings)
+    config = (tmp_path / "peers_logs" / "flow_factory.yaml").read_text()
+    assert f"model_name_or_path: {model}" in config and "resolution: 64" in config
+    assert result.stdout.splitlines()[-3].split() == [
+        "s/iteration", "images/s", "rollout", "s", "train", "s", "peak", "GiB"]
 
 
 def test_judge_speed_says_what_it_is_doing_and_prints_the_times_it_reports(tmp_path):

@@ -5,23 +5,18 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import cv2
 import numpy as np
-import onnx
-import onnxruntime
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmark.ocr_proxy import ocr_pool, pretrain
-from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool, serve
-from benchmark.ocr_proxy.onnx_network import OnnxNetwork
+from benchmark.ocr_proxy import pretrain
+from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve
 from benchmark.ocr_proxy.render import Task, all_words, prompt, render, split_words, write_prompts
 from data import load_prompts
 from ocr_reward import PaddleScorer, make_scorer
@@ -134,127 +129,25 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
     assert blind[0].tolist() == [0.0, 0.0, 0.0] and blind[1] == ["", "", ""]  # the KL-only control's reward
 
 
-def test_onnx_network_computes_pp_ocrs_networks_as_onnx_runtime_does(tmp_path):
-    """OnnxNetwork runs RapidOCR's detection and recognition files in torch: the same outputs as
-    ONNX Runtime on a render and on another batch size and width; an operator it does not cover
-    is one line naming it."""
-    from rapidocr_onnxruntime.main import DEFAULT_CFG_PATH
-    from rapidocr_onnxruntime.utils import read_yaml, update_model_path
-
-    config = update_model_path(read_yaml(DEFAULT_CFG_PATH))
-    image = np.asarray(render("2718", Task()), np.float32).transpose(2, 0, 1)[None] / 127.5 - 1
-    rng = np.random.default_rng(0)
-    inputs = {"Det": [image, rng.uniform(-1, 1, (3, 3, 96, 160)).astype(np.float32)],
-              "Rec": [np.concatenate([image[:, :, 40:88]] * 3, 3)[..., :320],
-                      rng.uniform(-1, 1, (2, 3, 48, 400)).astype(np.float32)]}
-    for part, batches in inputs.items():
-        path = config[part]["model_path"]
-        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-        network = OnnxNetwork(path)
-        for batch in batches:
-            expected = session.run(None, {"x": batch})[0]
-            with torch.inference_mode():
-                got = network(torch.from_numpy(batch)).numpy()
-            assert got.shape == expected.shape and np.abs(got - expected).max() < 1e-4 * max(1, np.abs(expected).max())
-        assert session.run(None, {"x": batches[0]})[0].max() > 0.5  # the render is text: outputs that mean something
-    graph = onnx.helper.make_graph([onnx.helper.make_node("Erf", ["x"], ["y"], name="erf0")], "g",
-                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
-    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 12)]), tmp_path / "erf.onnx")
-    with pytest.raises(ValueError, match=r"erf.onnx: operator Erf \(erf0\) is not one OnnxNetwork covers"):
-        OnnxNetwork(str(tmp_path / "erf.onnx"))
-
-
-def test_the_torch_pool_reads_as_paddle_does_with_its_networks_batched_in_torch():
-    """TorchOcrPool (here on the CPU): PP-OCR's networks run in torch give the ONNX Runtime
-    engine's reads and scores, through the pool server too; a network that fails fails its
-    callers' reads rather than leaving them waiting."""
-    task = Task()
-    words = split_words(task, seed=0)["test"][:6]
-    rng = np.random.default_rng(0)
-    clean = [np.asarray(render(w, task)) for w in words]
-    noisy = [np.clip(im + rng.normal(0, 160, im.shape), 0, 255).astype(np.uint8) for im in clean]
-    images = np.stack(clean + noisy + [np.full((128, 128, 3), 255, np.uint8)])
-    targets = words + words + [words[0]]
-    expected = PaddleScorer()(images, targets)
-    assert 0 < expected[0][6:12].mean() < 1  # the noisy renders are hard to read
-    pool = TorchOcrPool("cpu", threads=6)
-    try:
-        scores, texts = pool.score(images, targets)
-        assert scores.tolist() == expected[0].tolist() and texts == expected[1]
-        with serve(pool) as url:
-            served = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=13)(images, targets)
-        assert served[0].tolist() == expected[0].tolist() and served[1] == expected[1]
-        pool.recognizer.network = None  # calling it fails
-        with pytest.raises(TypeError):
-            pool.read(images[0])
-    finally:
-        pool.close()
-
-
-def test_a_batched_network_runs_the_inputs_that_waited_together_as_one_batch():
-    """While the network runs one batch, inputs of the same shape queue up: the next batch holds
-    them all, each caller gets its own rows; an input of another shape runs in a batch of its own."""
-    started, release = threading.Event(), threading.Event()
-    sizes = []
-
-    class Doubles(torch.nn.Module):  # holds its first batch until released
-        def forward(self, inputs):
-            sizes.append(len(inputs))
-            started.set()
-            release.wait(60)
-            return inputs * 2
-
-    batched = ocr_pool.BatchedNetwork(Doubles(), "cpu")
-    with ThreadPoolExecutor(5) as callers:
-        first = callers.submit(batched, np.zeros((1, 2), np.float32))
-        assert started.wait(60)
-        waiting = [callers.submit(batched, np.full((n, 2), n, np.float32)) for n in (1, 2, 3)]
-        other = callers.submit(batched, np.ones((1, 3), np.float32))
-        while batched.waiting.qsize() < 4:
-            time.sleep(0.01)
-        release.set()
-        assert [f.result()[0].tolist() for f in waiting] == [[[2, 2]], [[4, 4]] * 2, [[6, 6]] * 3]
-        assert other.result()[0].tolist() == [[2, 2, 2]] and first.result()[0].shape == (1, 2)
-    batched.close()
-    assert sorted(sizes) == [1, 1, 6]
-
-
-def test_the_torch_engines_agreement_in_the_docs_is_its_result_files():
-    """docs/ocr-proxy.md's figures for --ocr-engine torch are those of its result file."""
-    result = json.loads((ROOT / "benchmark/results/ocr_proxy_torch_engine_cpu.json").read_text())
-    rows = result["pool_speed"]["settings"]
-    identical = sum(row["identical_to_cpu:1"] for row in rows["torch:cpu"].values())
-    reads = result["pool_speed"]["images"] * len(rows["torch:cpu"])
-    lowest = min(row["mean_score"] for row in rows["cpu:1"].values())
-    assert identical == reads == 1440 and result["identical_reads"]["of"] == 480
-    assert all(row["mean_score"] == rows["cpu:1"][noise]["mean_score"] for noise, row in rows["torch:cpu"].items())
-    text = " ".join((ROOT / "docs/ocr-proxy.md").read_text().split())
-    assert f"{identical:,} of {reads:,} noisy renders, 480 at each of three noise levels, down to a mean score of " \
-           f"{lowest:.2f}" in text
-    split = result["one_engine_read"]
-    assert split["detection_network_s"] + split["recognition_network_s"] + split["the_rest_s"] == pytest.approx(
-        split["cpu_s_per_read"], abs=2e-5)
-    assert f"and {split['networks_share']:.0%} of a read's CPU time is PP-OCR's two networks" in text
-
-
 def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(tmp_path):
-    """benchmark/ocr_proxy/pool_speed.py: the same transcriptions whatever OpenCV's threads and with
-    the networks in torch, and one OpenCV thread a worker leaves each worker fewer threads than
-    OpenCV's default."""
+    """benchmark/ocr_proxy/pool_speed.py: the same transcriptions whatever OpenCV's threads, and one
+    OpenCV thread a worker leaves each worker fewer threads than OpenCV's default."""
     out = tmp_path / "speed.json"
     script = Path(pretrain.__file__).with_name("pool_speed.py")
     subprocess.run([sys.executable, str(script), "--workers", "1", "--images", "4", "--noise", "25", "--split",
-                    "--settings", "cpu:-1", "cpu:1", "torch:cpu", "--out", str(out)],
+                    "--settings", "cpu:-1", "cpu:1", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
-    default, one, torch_reads = (result["settings"][s]["noise25"] for s in ("cpu:-1", "cpu:1", "torch:cpu"))
+    default, one = (result["settings"][s]["noise25"] for s in ("cpu:-1", "cpu:1"))
     split = result["one_engine_read"]  # --split: the networks take most of a read
     assert split["reads"] == 2 and 0.5 < split["networks_share"] <= 1 and split["recognition_network_s"] > 0
-    assert default["identical_to_cpu:-1"] == one["identical_to_cpu:-1"] == torch_reads["identical_to_cpu:-1"] == 4
-    assert torch_reads["score_difference_to_cpu:-1"] == {"mean": 0.0, "max_abs": 0.0}
+    assert default["identical_to_cpu:-1"] == one["identical_to_cpu:-1"] == 4
+    assert one["score_difference_to_cpu:-1"] == {"mean": 0.0, "max_abs": 0.0}
     assert one["threads_per_process"][0] < default["threads_per_process"][0]
     assert one["mean_score"] == default["mean_score"] > 0 and one["cpu_s_per_image"] > 0
+    bad = subprocess.run([sys.executable, str(script), "--settings", "torch:cuda"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().endswith("--settings one or more of cpu:N")
 
 
 def _listen_overflows():
@@ -362,19 +255,18 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
     checkpoint to the curves and adapters of a benchmark that ran straight through."""
     from benchmark.ocr_proxy import run_benchmark
 
-    def bench(out, iterations, resume=False, ocr_engine="onnxruntime"):
+    def bench(out, iterations, resume=False):
         args = run_benchmark.Args(out=str(tmp_path / out), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                                   iterations=iterations, eval_every=1, eval_prompts=2, eval_split="validation",
                                   ocr_workers=1, prompts_per_rank=2, group_size=2, train_batch_size=2,
-                                  algorithms=["crd"], final_scores=False, resume=resume, ocr_engine=ocr_engine,
+                                  algorithms=["crd"], final_scores=False, resume=resume,
                                   # a guided KL anchor moves the adapters where every reward is 0
                                   trainer_args="--num-steps 3 --num-train-timesteps 1 --kl-cfg 4.5")
         return run_benchmark.main(args)
 
     straight = bench("straight", 2)
-    # the stopped benchmark reads with PP-OCR's networks in torch (ocr_pool.TorchOcrPool): the same rewards
-    bench("stopped", 1, ocr_engine="torch")
-    resumed = bench("stopped", 2, resume=True, ocr_engine="torch")
+    bench("stopped", 1)
+    resumed = bench("stopped", 2, resume=True)
     assert resumed["return_codes"] == {"crd_seed3": 0} and resumed["failed"] == []
     for tag in ("train/reward_mean", *run_benchmark.HELD_OUT_TAGS):
         curves = [run_benchmark.scalars(tmp_path / out / "runs" / "crd_seed3", tag) for out in ("straight", "stopped")]
@@ -495,7 +387,6 @@ def test_the_sweep_choice_keeps_the_default_unless_a_second_half_gain_clears_its
     (dict(train_batch_size=7), "--train-batch-size 7 must be a multiple of --group-size 6 that divides the 48 images"),
     (dict(seeds=[0, 9999999999]), "--seed 9999999999: must be below 2^23"),
     (dict(out="file"), "run_benchmark.py: error: --out file: a file, not a directory"),
-    (dict(scorer="paddle", ocr_engine="torch"), "--ocr-engine torch: the pool's engine; --scorer paddle reads without"),
     (dict(out="file/sub"), "run_benchmark.py: error: --out file/sub: file is a file, not a directory"),
     (dict(pretrain=dict(out="file/sub/model")), "pretrain.py: error: --out file/sub/model: file is a file, not a dir"),
     (dict(pretrain=dict(task=Task(font_size=200, resolution=64))),  # the text is cut by the border

@@ -8,11 +8,6 @@ side, each with such an engine, slow each other down; one single-threaded engine
     scores, texts = pool.score(images, targets)         # ocr_reward.ocr_score of each read
     with serve(pool) as url:                            # crd.py --reward vllm --reward-urls URL: the same scores
         ...
-    pool = TorchOcrPool("cuda")                         # the same reads, PP-OCR's networks batched on a GPU
-
-Almost all of a read's CPU time is PP-OCR's two networks, the recognition network most. TorchOcrPool runs them from
-the same ONNX files in torch (onnx_network.py) on a GPU, in batches of every read waiting, and keeps RapidOCR's own
-steps around them on the CPU.
 """
 
 from __future__ import annotations
@@ -21,18 +16,14 @@ import base64
 import io
 import json
 import multiprocessing
-import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import cv2
 import numpy as np
-import torch
 from PIL import Image
 
-from benchmark.ocr_proxy.onnx_network import OnnxNetwork
 from ocr_reward import PaddleScorer, ocr_score
 
 _scorer = None  # each worker process's engine
@@ -91,97 +82,6 @@ class OcrPool:
         if self.pool:
             self.pool.terminate()
             self.pool.join()
-
-
-class BatchedNetwork:
-    """A torch network on a device, called as RapidOCR calls its ONNX Runtime session (a float32
-    array in, [the output array] out), from many threads at once: a thread of its own runs every
-    input waiting with the first one's shape as one batch."""
-
-    def __init__(self, network: torch.nn.Module, device: str):
-        self.network, self.device = network.to(device), device
-        self.waiting: queue.Queue = queue.Queue()
-        self.batches = 0
-        self.thread = threading.Thread(target=self.run_batches, daemon=True)
-        self.thread.start()
-
-    def __call__(self, inputs: np.ndarray) -> list[np.ndarray]:
-        done: Future = Future()
-        self.waiting.put((inputs, done))
-        return [done.result()]
-
-    def run_batches(self):
-        later = []  # inputs of another shape than the batch's
-        while True:
-            items = later or [self.waiting.get()]
-            while True:
-                try:
-                    items.append(self.waiting.get_nowait())
-                except queue.Empty:
-                    break
-            if any(item is None for item in items):  # close()
-                return
-            batch = [item for item in items if item[0].shape[1:] == items[0][0].shape[1:]]
-            later = [item for item in items if item[0].shape[1:] != items[0][0].shape[1:]]
-            try:
-                inputs = torch.from_numpy(np.concatenate([x for x, _ in batch])).to(self.device)
-                with torch.inference_mode():
-                    outputs = self.network(inputs).float().cpu().numpy()
-                self.batches += 1
-                sizes = [len(x) for x, _ in batch]
-                for (_, done), end, size in zip(batch, np.cumsum(sizes), sizes):
-                    done.set_result(outputs[end - size : end])
-            except Exception as error:  # every caller's read fails with it, none waits forever
-                for _, done in batch:
-                    done.set_exception(error)
-
-    def close(self):
-        self.waiting.put(None)
-        self.thread.join()
-
-
-class TorchOcrPool:
-    """OcrPool's reads, with PP-OCR's detection and recognition networks batched on a device (a GPU;
-    "cpu" in tests) and RapidOCR's steps around them on `threads` CPU threads, each with its own
-    engine (RapidOCR's detector keeps per-call state). No worker processes: the reads are this
-    process's CPU time. The networks run at torch's default precision, which on a GPU lets cuDNN's
-    convolutions use TF32 (this process's sampling does too): pool_speed.py compares the reads
-    with ONNX Runtime's."""
-
-    def __init__(self, device: str = "cuda", threads: int = 16):
-        from rapidocr_onnxruntime.main import DEFAULT_CFG_PATH
-        from rapidocr_onnxruntime.utils import read_yaml, update_model_path
-
-        config = update_model_path(read_yaml(DEFAULT_CFG_PATH))
-        self.detector = BatchedNetwork(OnnxNetwork(config["Det"]["model_path"]), device)
-        self.recognizer = BatchedNetwork(OnnxNetwork(config["Rec"]["model_path"]), device)
-        self.local = threading.local()
-        self.readers = ThreadPoolExecutor(threads, thread_name_prefix="pp-ocr")
-
-    def _read(self, image: np.ndarray) -> str:
-        scorer = getattr(self.local, "scorer", None)
-        if scorer is None:
-            scorer = self.local.scorer = PaddleScorer(threads=1)
-            scorer.engine.text_det.infer = self.detector
-            scorer.engine.text_rec.session = self.recognizer
-        return scorer.read(Image.fromarray(image))
-
-    def score(self, images: np.ndarray, targets: list[str]) -> tuple[np.ndarray, list[str]]:
-        texts = list(self.readers.map(self._read, images))
-        return np.array([ocr_score(t, w) for t, w in zip(texts, targets)], dtype=np.float32), texts
-
-    def read(self, image: np.ndarray) -> str:
-        """One image's text; safe to call from many threads at once."""
-        return self.readers.submit(self._read, image).result()
-
-    def pids(self) -> list[int]:
-        """No worker processes: the reads run in this one."""
-        return []
-
-    def close(self):
-        self.readers.shutdown()
-        self.detector.close()
-        self.recognizer.close()
 
 
 MODEL_NAME = "pp-ocr"  # what GET /v1/models lists: the trainers' --reward-model

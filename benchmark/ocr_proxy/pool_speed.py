@@ -2,14 +2,12 @@
 random codes (the same images for every setting), and how far each setting's reads agree with the first's.
 
     python benchmark/ocr_proxy/pool_speed.py --workers 10 --out pool_speed.json
-    python benchmark/ocr_proxy/pool_speed.py --settings cpu:1 torch:cuda --noise 25 100 150   # PP-OCR on the GPU
     python benchmark/ocr_proxy/pool_speed.py --split --settings cpu:1          # where a read's CPU time goes
 
-A setting is `cpu:N` (OcrPool: --workers processes, each with N OpenCV threads; -1: OpenCV's default) or
-`torch:DEVICE` (TorchOcrPool: its networks batched on DEVICE, --workers reader threads in this process). The CPU
-pool is forked after torch is imported, as run_benchmark.py forks it. A setting's CPU time is its workers' (user +
-system, from /proc), or this process's for `torch:DEVICE`, over its timed reads. The renders carry Gaussian noise at
-each --noise level, so that some reads are hard.
+A setting is `cpu:N` (OcrPool: --workers processes, each with N OpenCV threads; -1: OpenCV's default). The pool
+is forked after torch is imported, as run_benchmark.py forks it. A setting's CPU time is its workers' (user +
+system, from /proc) over its timed reads. The renders carry Gaussian noise at each --noise level, so that some
+reads are hard.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy.machine import process_cpu_and_threads  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import OcrPool, TorchOcrPool  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import Task, render  # noqa: E402
 from ocr_reward import PaddleScorer  # noqa: E402
 
@@ -37,13 +35,13 @@ from ocr_reward import PaddleScorer  # noqa: E402
 @dataclass
 class Args:
     workers: int = 10
-    """PP-OCR engines of a cpu pool, reader threads of a torch one"""
+    """PP-OCR engines of the pool"""
     images: int = 960
     """renders read by each setting at each noise level (after a warm-up of 4 a worker)"""
     noise: list[float] = field(default_factory=lambda: [25.0])
     """standard deviations of the Gaussian noise added to the renders (0-255), one set of renders each"""
     settings: list[str] = field(default_factory=lambda: ["cpu:-1", "cpu:1"])
-    """the pools to time: cpu:N (N OpenCV threads a worker; -1: OpenCV's default) or torch:DEVICE"""
+    """the pools to time: cpu:N (N OpenCV threads a worker; -1: OpenCV's default)"""
     split: bool = False
     """also time one single-threaded engine's reads (of the first noise level's renders), split into
     its detection network, its recognition network and RapidOCR's steps around them"""
@@ -59,10 +57,8 @@ def noisy_renders(count: int, noise: float) -> tuple[np.ndarray, list[str]]:
     return np.stack(images).astype(np.uint8), words
 
 
-def make_pool(setting: str, workers: int) -> OcrPool | TorchOcrPool:
-    kind, value = setting.split(":", 1)
-    if kind == "torch":
-        return TorchOcrPool(value, workers)
+def make_pool(setting: str, workers: int) -> OcrPool:
+    value = setting.split(":", 1)[1]
     return OcrPool(workers, None if value == "-1" else int(value))
 
 
@@ -71,7 +67,7 @@ def measure(setting: str, workers: int, images: np.ndarray, words: list[str]) ->
     try:
         warm = 4 * workers
         pool.score(images[:warm], words[:warm])
-        pids = pool.pids() or [os.getpid()]
+        pids = pool.pids()
         before = [process_cpu_and_threads(pid)[0] for pid in pids]
         start = time.perf_counter()
         scores, texts = pool.score(images, words)
@@ -118,11 +114,10 @@ def split_read(images: np.ndarray) -> dict:
 
 
 def main(args: Args) -> dict:
-    valid = all(s.startswith("torch:") or (s.startswith("cpu:") and s[4:].lstrip("-").isdigit())
-                for s in args.settings)
+    valid = all(s.startswith("cpu:") and s[4:].lstrip("-").isdigit() for s in args.settings)
     if args.workers < 1 or args.images < 1 or not args.settings or not args.noise or not valid:
         sys.exit("pool_speed.py: error: --workers and --images must be at least 1, --noise names one or more "
-                 "levels, and --settings one or more of cpu:N and torch:DEVICE")
+                 "levels, and --settings one or more of cpu:N")
     result = {"workers": args.workers, "images": args.images, "cores": os.cpu_count(),
               "torch": torch.__version__, "settings": {}}
     for noise in args.noise:

@@ -14,8 +14,7 @@ settings, `--kl-only-control` adds runs whose reward reads nothing (what the KL 
 `--final-guidances` scores the final checkpoints at more CFG scales, `--resume` continues runs that `--time-limit-s`
 stopped. The reward is PP-OCR: by default the driver serves ocr_reward.PaddleScorer's reads from a pool of
 single-threaded engines to the trainers' `--reward vllm` client (the same scores, in parallel; the in-process
-`--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead, and
-`--ocr-engine torch` runs the pool's PP-OCR networks in torch on the GPU, batched (the same reads on the CPU).
+`--reward paddle` reads one image at a time, ~0.4-1.3 s each); `--scorer paddle` uses that instead.
 Every algorithm gets the same prompts, seeds, iterations, images per iteration and optimizer steps: only the
 trainer script differs. All anchor their KL term to the base without guidance (`--kl-cfg 1`; the trainers' default is the
 anchors' 4.5), so that a held-out gain is the reward's, not guidance distilled into the CFG-1 policy, and CRD's
@@ -68,8 +67,7 @@ import sd3  # noqa: E402
 from benchmark.events import scalars as logged_scalars  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
-from benchmark.ocr_proxy.ocr_pool import (BLIND_MODEL_NAME, MODEL_NAME, OcrPool, TorchOcrPool,  # noqa: E402
-                                          serve)
+from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
 
 ALGORITHMS = ("crd", "dgpo", "nft")
@@ -127,12 +125,7 @@ class Args:
     """pool: the trainers' `--reward vllm` client reads PP-OCR from a local server backed by a pool of engines (the
     same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
     ocr_workers: int = 0
-    """PP-OCR engines of the pool, or its reader threads with --ocr-engine torch (0: three fifths of the cores,
-    the reads' share of the CPU)"""
-    ocr_engine: Literal["onnxruntime", "torch"] = "onnxruntime"
-    """what runs the pool's PP-OCR networks: onnxruntime (on the CPU, a process an engine), or torch (the same
-    networks on GPU 0, or the CPU without one, batched across every waiting read, in this process:
-    ocr_pool.TorchOcrPool)"""
+    """PP-OCR engines of the pool (0: three fifths of the cores, the reads' share of the CPU)"""
     trainer_threads: int = 1
     """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): a
     15.5M-parameter model's CPU work is kernel launches, and many trainers share the cores"""
@@ -192,8 +185,6 @@ def check_args(args: Args) -> None:
         runs |= named
     if args.trainer_threads < 0:
         fail(f"--trainer-threads {args.trainer_threads}: 0 (torch's default) or more")
-    if args.ocr_engine != "onnxruntime" and args.scorer != "pool":
-        fail(f"--ocr-engine {args.ocr_engine}: the pool's engine; --scorer {args.scorer} reads without the pool")
     if args.kl_only_control and args.scorer != "pool":
         fail("--kl-only-control: the reward that reads no text is served by the pool (--scorer pool)")
     if args.kl_only_control and any(variant_name(v.split("=", 1)[0])[1] == KL_ONLY for v in args.variants):
@@ -460,7 +451,7 @@ def main(args: Args) -> dict:
     arguments, jobs = plan(args)
     cores = sorted(os.sched_getaffinity(0))
     workers = args.ocr_workers or max(1, round(len(cores) * 3 / 5))
-    pool = OcrPool(workers) if args.scorer == "pool" and args.ocr_engine == "onnxruntime" else None
+    pool = OcrPool(workers) if args.scorer == "pool" else None
     model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
     report["phases_s"]["pretrain"] = time.perf_counter() - started
     proxy = json.loads((model / "proxy.json").read_text())
@@ -475,11 +466,7 @@ def main(args: Args) -> dict:
     processes = {}
     with ExitStack() as stack:
         mps_env = stack.enter_context(mps_daemon(out / "mps")) if args.mps else {}
-        if args.scorer == "pool" and args.ocr_engine == "torch":
-            os.environ.update(mps_env)  # this process's CUDA work shares the GPU with the runs' too
-            pool = TorchOcrPool("cuda" if gpus else "cpu", workers)
         url = stack.enter_context(serve(pool)) if pool else None
-        # a GPU pool's reads are the driver's CPU time
         usage = Usage({"trainers": lambda: [p.pid for p in processes.values() if p.poll() is None],
                        "ocr_pool": pool.pids if pool else list, "driver": lambda: [os.getpid()]})
         if pool:
