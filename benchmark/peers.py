@@ -196,7 +196,7 @@ def unmatched(work, defaults, cuda) -> list[dict]:
     group = work["group_size"]
     batch = min(images, defaults.forward_batch_size or images)
     rollout = f"all {images} images in one batch" if batch == images else f"batches of {batch}"
-    per_forward = defaults.policy_timesteps_per_forward
+    per_forward = defaults.machine.policy_timesteps_per_forward
     steps = work["prompts"]
     ours_k = "optimizer steps" if defaults.ema_counts_optimizer_steps else "2 an iteration"
     factor = schedule_factor(work, defaults)
@@ -227,9 +227,10 @@ def unmatched(work, defaults, cuda) -> list[dict]:
          "nothing of speed"),
     ]
     if cuda:
+        compiled = defaults.machine.compile
         items[1:1] = [("torch.compile", "the transformer's blocks and the VAE decoder compiled"
-                       if defaults.compile else "none (--no-compile)",
-                       "none (no such setting)", "every phase" if defaults.compile else "nothing")]
+                       if compiled else "none (--no-compile)",
+                       "none (no such setting)", "every phase" if compiled else "nothing")]
         items.append(("stored latents", "float32, as the rollout returns them",
                       "float16 (latent_storage_dtype, its default)", "little"))
     if defaults.kl_floor != 1e-4:
