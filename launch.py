@@ -42,6 +42,7 @@ if AGENT_CPP_LOG_LEVEL:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous  # noqa: E402
 import torch.distributed.launcher.api as launcher_api  # noqa: E402
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID  # noqa: E402
 from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: E402
@@ -57,6 +58,8 @@ from torch.distributed.run import determine_local_world_size, main, parse_args  
 
 # a rank's exit code after the stop every rank agrees on when any rank gets SIGTERM or SIGINT (128 + signal)
 AGREED_STOPS = (128 + signal.SIGTERM, 128 + signal.SIGINT)
+STORE_HOST_WENT_AWAY = ("the node that hosts the rendezvous store (is_host=1, run.sh's NODE_RANK=0) "
+                        "went away")
 DEVICE_KINDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's --nproc-per-node values for one worker per such device
 
 
@@ -163,6 +166,9 @@ class TrainerAgent(LocalElasticAgent):
     would wait its join timeout for the node that was stopped; and that it says how long it has
     waited for the other nodes to join the rendezvous."""
 
+    joined = False  # this node has met the others once: a store that stops answering went away
+    lost_store = False  # the rendezvous could not be closed: its store's host had gone
+
     def __init__(self, *args, waiting_line, join_timeout_s, hosts_store, **kwargs):
         super().__init__(*args, **kwargs)
         self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
@@ -176,6 +182,7 @@ class TrainerAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         with lines_while_waiting(self.waiting_line, self.join_timeout_s, lambda: nodes_joined(handler)):
             super()._rendezvous(worker_group)
+        TrainerAgent.joined = True
 
     def _exit_barrier(self):
         """torch's exit barrier, where an agent that never came is one line, not a traceback."""
@@ -192,9 +199,15 @@ class TrainerAgent(LocalElasticAgent):
     def _close_rendezvous(self, shutdown):
         """The rendezvous's shutdown; after an exit barrier every agent came to, each agent then
         counts itself out, and the host of the store waits until all have (EXIT_BARRIER_TIMEOUT)."""
-        closed = shutdown()
+        logger = dynamic_rendezvous.logger
+        logger.disabled = True  # its warning that the store's host has gone: launch.py says it
+        try:
+            closed = shutdown()
+        finally:
+            logger.disabled = False
+        TrainerAgent.lost_store = not closed
         nodes = self._worker_group.group_world_size
-        if not self.met_at_exit or nodes < 2:
+        if not closed or not self.met_at_exit or nodes < 2:
             return closed
         left, everyone_left = "launch.py/left", "launch.py/everyone_left"
         try:
@@ -212,9 +225,8 @@ class TrainerAgent(LocalElasticAgent):
         """One line for a store call at the end that failed: the store's host gone (a network
         error) or, where it timed out, another node's agent that never came."""
         if isinstance(error, dist.DistNetworkError):
-            print(f"launch.py: the node that hosts the rendezvous store (is_host=1, run.sh's "
-                  f"NODE_RANK=0) went away {when}: its agent was killed; this node's ranks ended",
-                  file=sys.stderr, flush=True)
+            print(f"launch.py: {STORE_HOST_WENT_AWAY} {when}: its agent was killed; this node's "
+                  "ranks ended", file=sys.stderr, flush=True)
         else:
             print(f"launch.py: another node's agent {what_it_did_not} in "
                   f"{self._exit_barrier_timeout:g} s (EXIT_BARRIER_TIMEOUT): it was killed or its "
@@ -263,6 +275,12 @@ if __name__ == "__main__":
               "iteration)", file=sys.stderr, flush=True)
         sys.exit(128 + stop.sigval)
     except RendezvousConnectionError:
+        if TrainerAgent.joined:
+            print(f"launch.py: error: {STORE_HOST_WENT_AWAY} during the run: its agent was killed "
+                  "or its machine lost; this node's ranks were stopped. Start every node again: "
+                  "--resume-from latest continues from the last checkpoint", file=sys.stderr,
+                  flush=True)
+            sys.exit(1)
         print(f"launch.py: error: no rendezvous store answered at {torchrun_args.rdzv_endpoint} in its read timeout "
               "(--rdzv-conf read_timeout, 60 s by default): the node that hosts it (is_host=1, run.sh's NODE_RANK=0) "
               "is not running there; start it, or check the address (run.sh's MASTER_ADDR and MASTER_PORT)",
@@ -286,3 +304,7 @@ if __name__ == "__main__":
         print(f"launch.py: rank {rank} of {error.name} failed ({how}); its error is printed above", file=sys.stderr,
               flush=True)
         sys.exit(code)
+    else:
+        if TrainerAgent.lost_store:
+            print(f"launch.py: {STORE_HOST_WENT_AWAY} before this node closed the rendezvous; "
+                  "this node's ranks had ended", file=sys.stderr, flush=True)

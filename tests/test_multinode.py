@@ -301,6 +301,27 @@ def test_a_node_whose_peer_s_agent_was_killed_ends_after_the_exit_barrier_in_one
     assert json.loads((run / "summary.json").read_text())["completed"]
 
 
+def test_a_node_whose_rendezvous_host_was_killed_mid_run_says_so_in_one_line(tiny_model_dir, tmp_path):
+    """kill -9 of node 0's agent, which hosts the rendezvous store, mid-run: node 1 stops at once and
+    says that the host went away during the run and how to continue, not that no host was ever
+    there (torch raises the same error for both), and prints no traceback or torch warning about
+    the rendezvous it could not close."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    run = tmp_path / "runs" / "run"
+    nodes = two_nodes(env, tmp_path / "node", "--num-iterations", 1000, "--save-every", 1000)
+    wait_for("events.*", run, "TensorBoard events")
+    os.kill(nodes[0].pid, signal.SIGKILL)
+    killed = time.time()
+    (code0, _, _), (code1, _, err1) = finish(nodes, [tmp_path / "node0", tmp_path / "node1"])
+    assert code0 == -signal.SIGKILL and code1 == 1, err1[-3000:]
+    assert time.time() - killed < 60
+    assert "Traceback" not in err1 and "failed to shutdown" not in err1, err1[-3000:]
+    assert err1.strip().splitlines()[-1] == (
+        "launch.py: error: the node that hosts the rendezvous store (is_host=1, run.sh's NODE_RANK=0) "
+        "went away during the run: its agent was killed or its machine lost; this node's ranks were "
+        "stopped. Start every node again: --resume-from latest continues from the last checkpoint")
+
+
 def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(tiny_model_dir, tmp_path):
     """SIGTERM to node 1 under MAX_RESTARTS=1: both ranks stop after the same iteration, which rank 0
     saves; node 0's agent does not restart its rank (a restart would wait JOIN_TIMEOUT, 300 s here,
