@@ -17,11 +17,8 @@ tokens (--adapter, --seed, --num-steps, --guidance, --resolution, --max-sequence
 them). One process at a time writes a results directory (it holds evaluate.lock there).
 """
 
-import fcntl
-import hashlib
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -36,11 +33,11 @@ import tyro
 from PIL import Image
 from tqdm import tqdm
 
-from checkpoint import RunError, read_adapters
 from checks import check_devices, check_judge_models, check_scoring_args, errors_end_in_one_line, fail
 from data import DataError, load_prompts
+from eval_results import lock_results, mean_and_stderr, read_results
+from evaluated_lora import load_lora, read_checkpoint, read_lora
 from judges import JUDGES, judge_names, make_guarded_judges, make_judge
-from lora_adapters import add_lora_adapters, load_lora_state_dict
 from memory import out_of_memory, out_of_memory_line
 from ocr_reward import ServerError
 from reward_mix import make_mix, parse_mix
@@ -190,171 +187,6 @@ def take_protocol(args):
     return taken
 
 
-def lock_results(out):
-    """An exclusive lock on out/evaluate.lock, held while this process lives (the trainers lock
-    run.lock so): a second evaluate.py on the same results would score every prompt again."""
-    try:
-        lock = open(out / "evaluate.lock", "a+")
-    except OSError as error:
-        fail(f"cannot write {out / 'evaluate.lock'} ({error.strerror or error})")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        other = lock.read().strip() or "?"
-        fail(f"{out} is in use by another evaluate.py (pid {other}): wait for it to end; the same "
-             "command then continues its results")
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
-    return lock
-
-
-def sha256(*paths):
-    """Hex SHA-256 of the files' contents, one after the other."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def check_finite_weights(lora, source):
-    """Fail in one line if the LoRA {key: tensor} holds NaN or inf (a diverged run's adapter): its
-    images would all be NaN, scored as black images. `source`: what it is, in words."""
-    bad = sum(int((~torch.isfinite(value)).sum()) for value in lora.values())
-    if bad:
-        total = sum(value.numel() for value in lora.values())
-        fail(f"{source} holds {bad} NaN or inf weights of {total} (a diverged run?): its images "
-             "would be NaN; score an earlier checkpoint")
-
-
-def read_checkpoint(args):
-    """(LoRA {key: tensor} of --adapter, rank, alpha, the checkpoint's model, sha256 of its adapters file)."""
-    try:
-        adapters, trained = read_adapters(args.checkpoint)
-    except RunError as error:
-        fail(f"--checkpoint {error}")
-    path = Path(args.checkpoint) / "adapters.safetensors"
-    if args.adapter not in adapters:
-        fail(f"--adapter {args.adapter}: {path} holds the adapters {', '.join(sorted(adapters))}")
-    check_finite_weights(adapters[args.adapter],
-                         f"--checkpoint {args.checkpoint}: its {args.adapter} adapter")
-    return adapters[args.adapter], trained["lora_rank"], trained["lora_alpha"], trained.get("model"), sha256(path)
-
-
-def read_lora(args):
-    """(LoRA {key: tensor} in lora_state_dict's keys, sha256 of its weights) of a diffusers-format directory, checked
-    against --lora-rank and --lora-alpha."""
-    from diffusers import StableDiffusion3Pipeline  # here: diffusers takes seconds to import, argument checks do not
-
-    path = Path(args.lora)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        fail(f"--lora {path}: not a directory holding a diffusers LoRA (*.safetensors)")
-    try:
-        state, metadata = StableDiffusion3Pipeline.lora_state_dict(str(path), return_lora_metadata=True)
-    except (OSError, ValueError, KeyError) as error:
-        fail(f"--lora {path}: not a diffusers LoRA ({type(error).__name__}: {str(error).splitlines()[0]})")
-    others = sorted({key.split(".", 1)[0] for key in state} - {"transformer"})
-    if others:
-        fail(f"--lora {path}: holds LoRA weights for {', '.join(others)}; only the transformer's are supported")
-    state = {key.removeprefix("transformer."): value for key, value in state.items()}
-    ranks = sorted({value.shape[0] for key, value in state.items() if ".lora_A." in key})
-    if ranks != [args.lora_rank]:
-        fail(f"--lora {path}: a LoRA of rank {'/'.join(map(str, ranks))}, but --lora-rank {args.lora_rank}")
-    alpha = (metadata or {}).get("transformer.lora_alpha")
-    if alpha is not None and alpha != args.lora_alpha:
-        fail(f"--lora {path}: a LoRA of alpha {alpha}, but --lora-alpha {args.lora_alpha}")
-    check_finite_weights(state, f"--lora {path}")
-    return state, sha256(*files)
-
-
-def check_lora_fits(transformer, targets, source):
-    """Fail in one line if the LoRA's layers (`targets`) are not all `transformer`'s: a LoRA of another model.
-    `source`: the flag and path it came from."""
-    lacking = sorted(set(targets) - {name for name, _ in transformer.named_modules()})
-    if lacking:
-        more = f", ({len(lacking) - 3} more)" if len(lacking) > 3 else ""
-        fail(f"{source}: the LoRA does not fit the model: its keys name layers the model lacks: "
-             f"{', '.join(lacking[:3])}{more}")
-
-
-def load_lora(transformer, lora, rank, alpha, source):
-    """`lora` ({key: tensor}) as adapter "evaluated" of `transformer`, on the layers it names; one line naming
-    `source` (the flag and path it came from) if it is a LoRA of another model."""
-    targets = sorted({key.split(".lora_")[0] for key in lora})  # the LoRA's own module names
-    check_lora_fits(transformer, targets, source)
-    add_lora_adapters(transformer, rank, alpha, names=("evaluated",), targets=targets)
-    try:
-        load_lora_state_dict(transformer, "evaluated", lora)
-    except RuntimeError as error:  # the same layer names with other sizes: a LoRA of another model
-        fail(f"{source}: the LoRA does not fit the model: {error}")
-
-
-def read_results(path, settings, prompts):
-    """{index: record} of the prompts already scored in results.jsonl; a new file (settings line only) if none.
-
-    A line cut by a kill is dropped. A file written with other settings, or for other prompts, is an error; so is a
-    line that is not what this script writes, named by its number."""
-    raw = path.read_bytes() if path.is_file() else b""
-    complete = raw[: raw.rfind(b"\n") + 1]
-    if not complete:
-        path.write_text(json.dumps({"settings": settings}) + "\n")
-        return {}
-
-    def parse(number, line, fields, what):
-        """Line `number`: a JSON object whose `fields` ({key: type}) hold values of their types; else fail naming it."""
-        try:
-            value = json.loads(line)
-        except ValueError:
-            value = None
-        if isinstance(value, dict):
-            wrong = [json.dumps(key) for key, kind in fields.items()
-                     if key not in value or not isinstance(value[key], kind)]
-            problem = f"{', '.join(wrong)} missing or of another type" if wrong else None
-        else:
-            problem = "not a JSON object"
-        if problem:
-            fail(f"{path}, line {number}: not {what} of evaluate.py ({problem}); delete the file or pass another "
-                 "--output-dir or --name")
-        return value
-
-    lines = complete.splitlines()
-    old = parse(1, lines[0], {"settings": dict}, "the settings line of a results file")["settings"]
-    changed = [f"{key} {old.get(key)!r} -> {settings.get(key)!r}" for key in sorted(old.keys() | settings.keys())
-               if old.get(key) != settings.get(key)]
-    if changed:
-        fail(f"{path} was written with other settings ({'; '.join(changed)}): pass another --output-dir or --name, "
-             "or delete it")
-    fields = {"index": int, "prompt": str, "target": str, "score": (int, float)}  # what the summary and grid read
-    judges = (settings["judge"] or "").split()
-    for name in judges:
-        fields[f"{name}_score"] = (int, float, type(None))  # null: the judge had failed
-    if settings.get("reward", "qwen-vl") not in JUDGES:  # a mix
-        fields["components"] = dict
-    scored = {}
-    for number, line in enumerate(lines[1:], 2):
-        record = parse(number, line, fields, "a prompt's record")
-        scored[record["index"]] = record
-    # a prompt that a failed judge did not score is scored again, the judge given another chance
-    scored = {index: record for index, record in scored.items()
-              if all(record[f"{name}_score"] is not None for name in judges)}
-    for index, record in scored.items():
-        if index < len(prompts) and record["prompt"] != prompts[index]:
-            fail(f"{path}: prompt {index} is {record['prompt']!r}, but {prompts[index]!r} in --eval-data now")
-    if len(complete) < len(raw):
-        with path.open("r+b") as f:
-            f.truncate(len(complete))
-    return scored
-
-
-def mean_and_stderr(values):
-    values = np.asarray(values, dtype=np.float64)
-    return float(values.mean()), float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else None
-
-
 if __name__ == "__main__":
     args = tyro.cli(Args)
     from_checkpoint = take_protocol(args)
@@ -367,10 +199,11 @@ if __name__ == "__main__":
     judged = [name for name in judge_names(args.judge) if name not in weights]  # a component: scored
     lora, weights_sha256, rank, alpha, trained_model = None, None, None, None, None
     if args.checkpoint:
-        lora, rank, alpha, trained_model, weights_sha256 = read_checkpoint(args)
+        lora, rank, alpha, trained_model, weights_sha256 = read_checkpoint(args.checkpoint, args.adapter)
         what = "__".join(Path(args.checkpoint).resolve().parts[-2:]) + f"__{args.adapter}"
     elif args.lora:
-        (lora, weights_sha256), rank, alpha = read_lora(args), args.lora_rank, args.lora_alpha
+        lora, weights_sha256 = read_lora(args.lora, args.lora_rank, args.lora_alpha)
+        rank, alpha = args.lora_rank, args.lora_alpha
         what = "__".join(Path(args.lora).resolve().parts[-3:])
     model = args.model or trained_model or DEFAULT_MODEL
     if not (args.checkpoint or args.lora):

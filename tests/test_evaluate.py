@@ -195,45 +195,45 @@ RECORD = {"index": 0, "prompt": "A sign that says \"0\"", "target": "0", "transc
     ([{"settings": SETTINGS}, RECORD, [1]], None, "line 3: not a prompt's record of evaluate.py (not a JSON object)"),
 ])
 def test_a_damaged_results_file_is_named_with_its_line(lines, judge, message, tmp_path):
-    import evaluate
+    import eval_results
 
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     with pytest.raises(SystemExit, match=re.escape(f"{path}, {message}")):
-        evaluate.read_results(path, {**SETTINGS, "judge": judge}, [RECORD["prompt"]])
+        eval_results.read_results(path, {**SETTINGS, "judge": judge}, [RECORD["prompt"]])
 
 
 def test_a_lora_naming_layers_the_model_lacks_is_named(tiny_pipe):
-    import evaluate
+    import evaluated_lora
 
     fitting = ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_k"]
-    evaluate.check_lora_fits(tiny_pipe.transformer, fitting, "--lora DIR")
+    evaluated_lora.check_lora_fits(tiny_pipe.transformer, fitting, "--lora DIR")
     lacking = [f"transformer_blocks.99.attn.{name}" for name in ("to_k", "to_q", "to_v", "to_out.0")]
     with pytest.raises(SystemExit, match=re.escape(
             "--lora DIR: the LoRA does not fit the model: its keys name layers the model lacks: "
             "transformer_blocks.99.attn.to_k, transformer_blocks.99.attn.to_out.0, transformer_blocks.99.attn.to_q, "
             "(1 more)")):
-        evaluate.check_lora_fits(tiny_pipe.transformer, fitting + lacking, "--lora DIR")
+        evaluated_lora.check_lora_fits(tiny_pipe.transformer, fitting + lacking, "--lora DIR")
 
 
 def test_a_lora_with_other_layer_sizes_is_named(tiny_model_dir):
     """The same layer names with other sizes (a LoRA of a wider model) is one line naming the layer and both shapes,
     not torch's size-mismatch traceback; a LoRA of the right sizes loads."""
-    import evaluate
+    import evaluated_lora
     import lora_adapters
     import sd3
 
     trained = sd3.load_pipeline(str(tiny_model_dir)).transformer
     lora_adapters.add_lora_adapters(trained, 4, 4, names=("policy",))
     lora = {key: value.clone() for key, value in lora_adapters.lora_state_dict(trained, "policy").items()}
-    evaluate.load_lora(sd3.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
+    evaluated_lora.load_lora(sd3.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
     key = next(k for k in lora if ".lora_A." in k)
     rank, width = lora[key].shape
     lora[key] = torch.zeros(rank, width + 8)
     with pytest.raises(SystemExit, match=re.escape(
             f"--lora DIR: the LoRA does not fit the model: {key} has shape ({rank}, {width + 8}), the model's layer "
             f"takes ({rank}, {width})")):
-        evaluate.load_lora(sd3.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
+        evaluated_lora.load_lora(sd3.load_pipeline(str(tiny_model_dir)).transformer, lora, 4, 4, "--lora DIR")
 
 
 def with_sampling_adapter(trained, tmp_path, change):

@@ -15,7 +15,7 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import evaluate
+import eval_results
 import tiny_models
 from ocr_server import ocr_server
 from tensorboard_logs import scalars
@@ -99,4 +99,4 @@ def test_evaluate_reports_a_failed_judge_and_writes_the_others(tiny_model_dir, b
     assert all(isinstance(r["flat_score"], float) for r in results["prompts"])
     settings = json.loads((out / "results.jsonl").read_text().splitlines()[0])["settings"]
     prompts = [r["prompt"] for r in results["prompts"]]
-    assert evaluate.read_results(out / "results.jsonl", settings, prompts) == {}
+    assert eval_results.read_results(out / "results.jsonl", settings, prompts) == {}
