@@ -75,14 +75,21 @@ def attention_table():
     return rows
 
 
-def transformer_forwards(fastest):
+def lora_transformer():
+    """The random SD3.5-M transformer in bfloat16 on the GPU, frozen, with crd.py's rank-32
+    adapters, the sampling one nonzero as a trained adapter is."""
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         transformer = sd3.random_transformer(sd3.MEDIUM_CONFIG).eval().requires_grad_(False)
     torch.set_default_dtype(torch.float32)
     lora_adapters.add_lora_adapters(transformer, 32, 64)
     for p in lora_adapters.lora_parameters(transformer, "sampling"):
-        p.data.normal_(0, 1e-3)  # a trained adapter is nonzero
+        p.data.normal_(0, 1e-3)
+    return transformer
+
+
+def transformer_forwards(fastest):
+    transformer = lora_transformer()
     rollout.compile_blocks(transformer)
     x = torch.randn(24, 16, 64, 64, device="cuda")
     embeds, pooled = torch.randn(24, 333, 4096, device="cuda"), torch.randn(24, 2048, device="cuda")

@@ -28,8 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lora_adapters  # noqa: E402
 import rollout  # noqa: E402
-import sd3  # noqa: E402
-from benchmark.attention_speed import cuda_seconds  # noqa: E402
+from benchmark.attention_speed import cuda_seconds, lora_transformer  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
 IMAGES = 24
@@ -92,13 +91,7 @@ def main():
                         choices=["row", "tensor"], help="float8 scales: per row, per tensor")
     args = parser.parse_args()
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = sd3.random_transformer(sd3.MEDIUM_CONFIG).eval().requires_grad_(False)
-    torch.set_default_dtype(torch.float32)
-    lora_adapters.add_lora_adapters(model, 32, 64)
-    for p in lora_adapters.lora_parameters(model, "sampling"):
-        p.data.normal_(0, 1e-3)  # a trained adapter is nonzero
+    model = lora_transformer()
     generator = torch.Generator("cuda").manual_seed(1)
     inputs = (torch.randn(IMAGES, 16, 64, 64, device="cuda", generator=generator),
               torch.full((IMAGES,), 700.0, device="cuda"),
