@@ -389,8 +389,8 @@ class Run:
         state = self.state
         latest = (checkpoints(self.dir)[-1:] or [None])[0]
         kept = f"the latest checkpoint is {latest}" if latest else "no checkpoint was saved"
-        if self.main_process and state and state["iteration"]:
-            if self.optimizer_step.steps == self.steps_when_saved:
+        if self.main_process and state:  # in iteration 1 too: summary.json says why it stopped
+            if state["iteration"] and self.optimizer_step.steps == self.steps_when_saved:
                 try:
                     saved = save_checkpoint(self.dir, state["iteration"], self.transformer,
                                             self.optimizer, state, self.args.output.keep_last)

@@ -27,6 +27,7 @@ from settings import flat_settings
 
 # what makes a directory hold a run
 RUN_ARTIFACTS = ("events.out.tfevents.*", "global_step_*", "summary.json", EVAL_SCORES)
+NAME_MAX = 255  # bytes of one file or directory name on Linux's and macOS's file systems
 LATEST = "latest"  # --resume-from latest: the newest readable checkpoint of the run, or a new run
 
 
@@ -35,13 +36,14 @@ def prepare_run(args, algorithm, world_size, main_process):
     (its state's fields, its adapters' names and LoRA rank) and its settings and prompt files' contents compared with
     the checkpoint's. Returns (run directory, lock file to keep open or None)."""
     output = args.output  # --output-dir, --run-name, --resume-from, ...
+    reward = args.scoring.reward.replace(" ", "+")  # a mix: qwen-vl=0.8+pickscore=0.2
+    default_name = f"{args.exp_name}__{reward}__{args.seed}__{int(time.time())}"
     check_directory_name("--run-name", output.run_name, "{run_name}")  # resolve_latest reads it
-    check_directory_name("--exp-name", args.exp_name, "{exp_name}__{reward}__{seed}__{unix time}")
+    check_directory_name("--exp-name", args.exp_name, "{exp_name}__{reward}__{seed}__{unix time}",
+                         default_name)
     latest = output.resume_from == LATEST
     replace_unsaved = resolve_latest(output, main_process)  # first: all below reads output.resume_from
     resumed = read_checkpoint_state(output.resume_from) if output.resume_from else None  # first: is it a checkpoint?
-    reward = args.scoring.reward.replace(" ", "+")  # a mix: qwen-vl=0.8+pickscore=0.2
-    default_name = f"{args.exp_name}__{reward}__{args.seed}__{int(time.time())}"
     created = False
     if output.resume_from or output.run_name:
         run_dir = run_directory(output, default_name)
@@ -87,15 +89,21 @@ def prepare_run(args, algorithm, world_size, main_process):
     return run_dir, claim_run_directory(run_dir, bool(output.resume_from), replace, created)
 
 
-def check_directory_name(flag, name, run_name):
+def check_directory_name(flag, name, run_name, directory_name=None):
     """RunError unless a given --run-name or --exp-name (`flag`) is one path component: an absolute
     one, or one with "/" or "..", would put the run outside --output-dir, where the run directory
-    is {output_dir}/`run_name`."""
+    is {output_dir}/`run_name`; and unless the directory's name (`directory_name`, else `name`)
+    fits a file system's name."""
     if not name:  # not given: the default name
         return
     if not name.strip() or "/" in name or name in (".", ".."):
         raise RunError(f"{flag} {name!r}: not a directory name (one path component, not \".\" or "
                        f"\"..\"); the run directory is {{output_dir}}/{run_name}")
+    size = len(os.fsencode(directory_name or name))
+    if size > NAME_MAX:
+        raise RunError(f"{flag} {name[:40]!r}... ({len(name)} characters): the run directory's name "
+                       f"{{output_dir}}/{run_name} would be {size} bytes, more than the {NAME_MAX} a "
+                       "file system allows a name; choose a shorter one")
 
 
 def unused_directory(parent, name, create):

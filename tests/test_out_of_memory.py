@@ -93,6 +93,26 @@ def test_out_of_memory_is_one_line_and_keeps_the_last_iteration(kind, fail_at, p
         assert state["iteration"] == 1 and state["optimizer_steps"] == 2
 
 
+def test_out_of_memory_in_the_first_iteration_leaves_a_summary_and_a_run_that_starts_again(
+        tiny_model_dir, tmp_path):
+    result = run_failing(tmp_path, tiny_model_dir, "no_grad", 1)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("crd.py: error: out of memory in the rollout of iteration 1 (")
+    assert line.endswith("no checkpoint was saved")
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["iterations"] == 0 and not summary["completed"]
+    assert summary["stopped_by"].startswith("out of memory in the rollout of iteration 1")
+    assert not list(run.glob("global_step_*"))
+    again = subprocess.run([sys.executable, "crd.py", *RUN, "--output-dir", str(tmp_path),
+                            "--resume-from", "latest"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "a new run, replacing" in again.stdout and "summary.json" in again.stdout
+    assert json.loads((run / "summary.json").read_text())["completed"]
+
+
 def test_out_of_memory_while_loading_names_the_phase(tiny_model_dir, tmp_path):
     result = run_failing(tmp_path, tiny_model_dir, "load", 1)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

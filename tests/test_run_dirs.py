@@ -65,6 +65,29 @@ def test_an_exp_name_outside_the_output_dir_stops_the_trainer_in_one_line(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag", ["run_name", "exp_name"])
+def test_a_name_longer_than_a_file_system_allows_is_one_line(tmp_path, flag):
+    """With --output-dir there, a dry run's checks of a 300-character --run-name (or an --exp-name
+    whose default run directory would be over 255 bytes) raised OSError "File name too long"."""
+    out = tmp_path / "runs"
+    out.mkdir()
+    name = "x" * (300 if flag == "run_name" else 240)
+    for dry_run in (True, False):
+        for resume_from in ("", "latest") if flag == "run_name" else ("",):
+            with pytest.raises(checkpoint.RunError) as error:
+                prepare(output_dir=str(out), dry_run=dry_run, resume_from=resume_from,
+                        **{flag: name})
+            assert str(error.value).startswith(f"--{flag.replace('_', '-')} 'xxxx")
+            assert "more than the 255 a file system allows a name" in str(error.value)
+    assert list(out.iterdir()) == []
+
+
+def test_a_name_of_255_bytes_is_a_run_directory(tmp_path):
+    run_dir, lock = prepare(output_dir=str(tmp_path), run_name="é" * 127 + "x")
+    lock.close()
+    assert run_dir.name == "é" * 127 + "x" and (run_dir / "run.lock").is_file()
+
+
 def test_default_names_of_starts_in_the_same_second_differ(tmp_path, monkeypatch):
     monkeypatch.setattr(run_dirs.time, "time", lambda: 1700000000.5)
     args = {"output_dir": str(tmp_path), "exp_name": "crd", "scoring": ScoringArgs(reward="ocr"),
