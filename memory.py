@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sd3 import RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory, cache_root, load_pipeline
+from sd3 import MEDIUM_HUB_ID, RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory, cache_root, load_pipeline
 
 
 # Values a transformer block keeps per token and hidden unit for its backward: 34 bytes at 16 bits
@@ -51,11 +51,12 @@ def iteration_memory(args, pipe, dtype):
 
 def model_shape(model):
     """What iteration_memory reads of a pipeline (the transformer's config, the VAE's scale factor,
-    the tokenizer's length), without its weights: the random model built on the meta device, a
-    local folder's config files (the tiny model's once its first use has saved it); None where
-    there are none to read, a hub id too (the run checks once the model has loaded)."""
-    if model == RANDOM_MEDIUM:
-        return load_pipeline(model, device="meta")
+    the tokenizer's length), without its weights: the random model built on the meta device (for
+    SD3.5 Medium's hub id too: its shapes), a local folder's config files (the tiny model's once
+    its first use has saved it); None where there are none to read, another hub id too (the run
+    checks once the model has loaded)."""
+    if model in (RANDOM_MEDIUM, MEDIUM_HUB_ID):
+        return load_pipeline(RANDOM_MEDIUM, device="meta")
     path = cache_root() / TINY_DIR_NAME if model == TINY else Path(model).expanduser()
     if not path.is_dir():  # a hub id: diffusers would download its configs
         return None

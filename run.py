@@ -215,15 +215,15 @@ class Run:
         self.prompt_sha256 = prompt_files_sha256(flat_settings(args))  # as read: edits are refused
         self.train_set = train_set
         self.eval_set = eval_set
+        shape = model_shape(args.model) if args.output.dry_run else None  # a run: once it has loaded
+        if shape and (error := memory_error(args, shape, self.dtype, self.device)):
+            fail(error)
         check_model_path(args.model)
         scorers = scorers_of(args)
         if "qwen-vl" in scorers:
             check_reward_model(args.scoring.reward_model)
         check_judge_models(args.scoring, scorers)
         if args.output.dry_run:  # how run.sh checks a run before it starts a reward server
-            shape = model_shape(args.model)  # the run checks this once the model has loaded
-            if shape and (error := memory_error(args, shape, self.dtype, self.device)):
-                fail(error)
             print(f"dry run: arguments valid, {len(train_set)} train and {len(eval_set)} eval "
                   "prompts")
             sys.exit(0)

@@ -35,6 +35,7 @@ logging.getLogger("transformers.utils.import_utils").addFilter(
 
 TINY = "tiny"
 RANDOM_MEDIUM = "random-sd3.5-medium"
+MEDIUM_HUB_ID = "stabilityai/stable-diffusion-3.5-medium"  # its shapes are MEDIUM_CONFIG's
 TINY_DIR_NAME = "tiny-sd3-v2"  # bump when the tiny model changes, so stale caches are not reused
 
 # The configs of stabilityai/stable-diffusion-3.5-medium. vocab_size is the size of the locally built tokenizer

@@ -447,6 +447,21 @@ def test_a_dry_run_refuses_an_iteration_too_large_for_memory_as_the_run_does(tin
     assert "dry run" not in dry.stdout and not (tmp_path / "run").exists()
 
 
+def test_a_dry_run_of_sd35_medium_s_hub_id_refuses_an_iteration_too_large_before_the_hub(tmp_path):
+    """run.sh's default model is the hub id, whose configs a dry run cannot read offline: its shapes
+    are the random SD3.5-M's, so 40,000 images are refused there, without asking the hub."""
+    data = ROOT / "tests" / "data" / "ocr"
+    result = subprocess.run(
+        [sys.executable, "crd.py", "--dry-run", "--group-size", "10000", "--device", "cpu",
+         "--output-dir", str(tmp_path), "--train-data", str(data / "train.txt"),
+         "--eval-data", str(data / "test.txt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "crd.py: error: --prompts-per-rank 4 x --group-size 10000 = 40000 images need about")
+    assert "could not load" not in result.stderr and not list(tmp_path.iterdir())
+
+
 @pytest.mark.long
 def test_a_reward_server_that_dies_mid_run_stops_the_run_with_the_last_iteration_saved(tiny_model_dir, tmp_path):
     """A real HTTP reward server (tests/ocr_server.py) goes down once the first iteration's images are scored: the
