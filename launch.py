@@ -301,8 +301,9 @@ if __name__ == "__main__":
                   "every rank stopped after the same iteration, which rank 0 saved", file=sys.stderr, flush=True)
             sys.exit(code)
         how = f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0 else f"exit code {code}"
-        print(f"launch.py: rank {rank} of {error.name} failed ({how}); its error is printed above", file=sys.stderr,
-              flush=True)
+        print(f"launch.py: rank {rank} of {error.name} failed ({how}); its error is printed above. Once it is "
+              "fixed, --resume-from latest (on every node) continues from the run's latest checkpoint",
+              file=sys.stderr, flush=True)
         sys.exit(code)
     else:
         if TrainerAgent.lost_store:

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,10 +124,10 @@ def one_node(tiny_model_dir, tmp_path_factory):
     return base / "runs" / "run"
 
 
-# A sitecustomize.py for one node: its agent closes the rendezvous 1 s late, as on a loaded host.
-# torch is patched as it loads, not imported here (launch.py sets its C++ log level first).
+# A sitecustomize.py for one node: its agent closes the rendezvous CLOSE_LATE_S (1) s late, as on a
+# loaded host. torch is patched as it loads, not imported here (launch.py sets its C++ log level first).
 LATE_CLOSE = """
-import importlib.abc, importlib.machinery, sys, time
+import importlib.abc, importlib.machinery, os, sys, time
 
 class LateClose(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
@@ -140,7 +141,8 @@ class LateClose(importlib.abc.MetaPathFinder):
             load(module)
             handler = module.DynamicRendezvousHandler
             shutdown = handler.shutdown
-            handler.shutdown = lambda self: time.sleep(1) or shutdown(self)
+            late_s = float(os.environ.get("CLOSE_LATE_S", "1"))
+            handler.shutdown = lambda self: time.sleep(late_s) or shutdown(self)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -320,6 +322,37 @@ def test_a_node_whose_rendezvous_host_was_killed_mid_run_says_so_in_one_line(tin
         "launch.py: error: the node that hosts the rendezvous store (is_host=1, run.sh's NODE_RANK=0) "
         "went away during the run: its agent was killed or its machine lost; this node's ranks were "
         "stopped. Start every node again: --resume-from latest continues from the last checkpoint")
+
+
+def test_a_clean_finish_whose_rendezvous_host_went_away_before_this_node_closed_says_so(
+        tiny_model_dir, tmp_path):
+    """Node 1's agent closes the rendezvous 8 s late, and node 0's agent, which hosts the store and
+    waits for it after the exit barrier, is killed meanwhile: node 1's ranks had finished the run,
+    so it exits 0 with one line saying that the host went away before it closed the rendezvous,
+    with no traceback or torch warning."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    run = tmp_path / "runs" / "run"
+    (tmp_path / "late").mkdir()
+    (tmp_path / "late" / "sitecustomize.py").write_text(LATE_CLOSE)
+    late = {"PYTHONPATH": f"{tmp_path / 'late'}:{env['PYTHONPATH']}", "CLOSE_LATE_S": "8"}
+    port = str(free_port())
+    nodes = [start(env, tmp_path / f"node{rank}", "--num-iterations", 1, NNODES="2",
+                   NODE_RANK=str(rank), MASTER_PORT=port, **(late if rank else {}))
+             for rank in (0, 1)]
+    wait_for("summary.json", run, "summary.json")
+    children = Path(f"/proc/{nodes[0].pid}/task/{nodes[0].pid}/children")
+    deadline = time.time() + 60
+    while children.read_text().split() and time.time() < deadline:  # node 0's rank exits
+        time.sleep(0.05)
+    time.sleep(1)  # both agents pass the exit barrier; node 1's then sleeps before it closes
+    os.kill(nodes[0].pid, signal.SIGKILL)
+    (code0, _, _), (code1, _, err1) = finish(nodes, [tmp_path / "node0", tmp_path / "node1"])
+    assert code0 == -signal.SIGKILL and code1 == 0, err1[-3000:]
+    assert not DUMPS.search(err1), err1[-3000:]
+    assert err1.strip().splitlines()[-1] == (
+        "launch.py: the node that hosts the rendezvous store (is_host=1, run.sh's NODE_RANK=0) went "
+        "away before this node closed the rendezvous; this node's ranks had ended")
+    assert json.loads((run / "summary.json").read_text())["completed"]
 
 
 def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(tiny_model_dir, tmp_path):

@@ -357,7 +357,9 @@ def test_launch_py_reports_a_failed_rank_in_one_line_with_its_exit_code(tmp_path
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = result.stderr.splitlines()
     assert "fails.py: error: rank 1 gives up" in lines
-    assert lines[-1] == f"launch.py: rank 1 of {script} failed (exit code 1); its error is printed above"
+    assert lines[-1] == (f"launch.py: rank 1 of {script} failed (exit code 1); its error is printed "
+                         "above. Once it is fixed, --resume-from latest (on every node) continues from "
+                         "the run's latest checkpoint")
 
 
 @pytest.mark.parametrize("flag, message", [
