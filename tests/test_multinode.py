@@ -6,6 +6,7 @@ Each "node" is one `bash run.sh crd` (torchrun's agent, one CPU rank, gloo) on t
 this cannot show is a real network between hosts: every process here talks over the loopback.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -303,11 +304,13 @@ def test_a_node_whose_peer_s_agent_was_killed_ends_after_the_exit_barrier_in_one
     assert json.loads((run / "summary.json").read_text())["completed"]
 
 
-def test_a_node_whose_rendezvous_host_was_killed_mid_run_says_so_in_one_line(tiny_model_dir, tmp_path):
+def test_a_node_whose_rendezvous_host_was_killed_mid_run_says_so_in_one_line(one_node, tiny_model_dir,
+                                                                             tmp_path):
     """kill -9 of node 0's agent, which hosts the rendezvous store, mid-run: node 1 stops at once and
     says that the host went away during the run and how to continue, not that no host was ever
     there (torch raises the same error for both), and prints no traceback or torch warning about
-    the rendezvous it could not close."""
+    the rendezvous it could not close. Once node 0's orphaned rank is gone too (its machine lost),
+    one node of 2 ranks continues what is left, bitwise."""
     env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
     run = tmp_path / "runs" / "run"
     nodes = two_nodes(env, tmp_path / "node", "--num-iterations", 1000, "--save-every", 1000)
@@ -322,6 +325,12 @@ def test_a_node_whose_rendezvous_host_was_killed_mid_run_says_so_in_one_line(tin
         "launch.py: error: the node that hosts the rendezvous store (is_host=1, run.sh's NODE_RANK=0) "
         "went away during the run: its agent was killed or its machine lost; this node's ranks were "
         "stopped. Start every node again: --resume-from latest continues from the last checkpoint")
+    with contextlib.suppress(ProcessLookupError):  # node 0's orphaned rank, if it has not failed yet
+        os.killpg(nodes[0].pid, signal.SIGKILL)
+    resumed = succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
+                             NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
+    assert "--resume-from latest: " in resumed[0][1]
+    assert_same_training(run, one_node)
 
 
 def test_a_clean_finish_whose_rendezvous_host_went_away_before_this_node_closed_says_so(
@@ -355,10 +364,11 @@ def test_a_clean_finish_whose_rendezvous_host_went_away_before_this_node_closed_
     assert json.loads((run / "summary.json").read_text())["completed"]
 
 
-def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(tiny_model_dir, tmp_path):
+def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(one_node, tiny_model_dir, tmp_path):
     """SIGTERM to node 1 under MAX_RESTARTS=1: both ranks stop after the same iteration, which rank 0
     saves; node 0's agent does not restart its rank (a restart would wait JOIN_TIMEOUT, 300 s here,
-    for node 1) but ends at once in the stop's one line; the checkpoint and summary.json stand."""
+    for node 1) but ends at once in the stop's one line; the checkpoint and summary.json stand, and
+    one node of 2 ranks continues from them, bitwise."""
     env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
     run = tmp_path / "runs" / "run"
     port = str(free_port())
@@ -378,6 +388,10 @@ def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(tiny_model_di
     (saved,) = run.glob("*global_step_*")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and saved.name == f"global_step_{summary['iterations']}"
+    resumed = succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
+                             NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
+    assert f"--resume-from latest: {saved}\n" in resumed[0][1]
+    assert_same_training(run, one_node)
 
 
 def nodes_with_other_settings(env, log, node1_flags, *extra):
