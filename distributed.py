@@ -4,6 +4,7 @@ process takes (GracefulStop) and the stop that every rank agrees on, and leaving
 step."""
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -95,6 +96,23 @@ def gather(tensor, world_size):
     out = tensor.new_empty(world_size * len(tensor), *tensor.shape[1:])
     dist.all_gather_into_tensor(out, tensor.contiguous())
     return out
+
+
+def lost_peer_line(error):
+    """(what stopped the run, what to do) where a collective failed because another rank went
+    away (torch's DistError; gloo's RuntimeError from its transport: a connection closed or reset),
+    else None."""
+    if not dist.is_initialized():
+        return None
+    if not isinstance(error, dist.DistError) and not (
+            isinstance(error, RuntimeError) and "gloo/transport" in str(error)):
+        return None
+    # gloo's: "[.../pair.cc:553] Connection closed by peer [10.0.0.2]:7306. This is typically ..."
+    said = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())
+    first = re.split(r"(?<=\.)\s", said, maxsplit=1)[0].rstrip(".") or type(error).__name__
+    return (f"a collective of the ranks failed: another rank stopped answering (its process "
+            f"ended or its node was lost; its own output says why): {first}",
+            "once every node runs again, --resume-from latest continues")
 
 
 def agreed_stop(signum, nonfinite_streak, max_nonfinite_steps, scorer_failure, device, world_size):

@@ -147,17 +147,32 @@ def lines_while_waiting(what, timeout_s, joined=lambda: ""):
         thread.join()
 
 
-def nodes_joined(handler):
-    """"; joined so far: host (pid N), ..." of the nodes in the rendezvous round this agent waits in,
-    as the c10d backend's state holds them (this node among them, marked); "" where it cannot be read
-    (another backend, a torch that keeps it elsewhere)."""
-    try:
-        nodes = list(handler._state_holder.state.participants)
-        this = handler._this_node
-    except AttributeError:
+def rendezvous_state(handler):
+    """The c10d rendezvous's state as this agent last read it (its round's participants, complete
+    or not, and the nodes waiting for the next round); None where it cannot be read (another
+    backend, a torch that keeps it elsewhere)."""
+    return getattr(getattr(handler, "_state_holder", None), "state", None)
+
+
+def nodes_joined(handler, last_round=()):
+    """"; joined so far: host (pid N), ..." of the nodes in the round this agent waits in (this
+    node among them, marked), and "; not back from the last round: ..." of the last round's nodes
+    that have not joined again (at a restart: a node lost or stopped); "" where it cannot be read."""
+    state = rendezvous_state(handler)
+    if state is None:
         return ""
-    names = [f"{node.addr} (pid {node.pid}{', this node' if node == this else ''})" for node in nodes]
-    return f"; joined so far: {', '.join(names) or 'none'}"
+    # a complete round's nodes stay in it until each leaves (or is found dead): at a restart, the
+    # nodes that joined wait for the next round
+    nodes = list(state.wait_list if state.complete else state.participants)
+    this = getattr(handler, "_this_node", None)
+
+    def names(among):
+        return ", ".join(f"{node.addr} (pid {node.pid}{', this node' if node == this else ''})"
+                         for node in among)
+
+    missing = [node for node in last_round if node not in nodes]
+    gone = f"; not back from the last round: {names(missing)}" if missing else ""
+    return f"; joined so far: {names(nodes) or 'none'}{gone}"
 
 
 class TrainerAgent(LocalElasticAgent):
@@ -173,6 +188,7 @@ class TrainerAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
         self.hosts_store, self.met_at_exit = hosts_store, False
+        self.last_round = []  # the nodes of the last rendezvous round: a restart names those missing
         # torchrun's launcher shuts the rendezvous down after run() returns: this agent's last
         # use of the store, after which the host may take it away
         handler = self._worker_group.spec.rdzv_handler
@@ -180,9 +196,13 @@ class TrainerAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group):
         handler = worker_group.spec.rdzv_handler
-        with lines_while_waiting(self.waiting_line, self.join_timeout_s, lambda: nodes_joined(handler)):
+        last_round = self.last_round
+        with lines_while_waiting(self.waiting_line, self.join_timeout_s,
+                                 lambda: nodes_joined(handler, last_round)):
             super()._rendezvous(worker_group)
         TrainerAgent.joined = True
+        state = rendezvous_state(handler)
+        self.last_round = list(state.participants) if state else []
 
     def _exit_barrier(self):
         """torch's exit barrier, where an agent that never came is one line, not a traceback."""

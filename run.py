@@ -35,7 +35,8 @@ from checkpoint import (EVAL_SCORES, RunComplete, RunError, checkpoints, prompt_
 from checks import check_judge_models, errors_end_in_one_line, fail, scorers_of
 from data import load_train_and_eval_prompts
 from distributed import (GracefulStop, actor_device, agreed_stop, all_mean_, gather,
-                         leave_process_group, settings_mismatch, shared_settings, signalled_ranks)
+                         leave_process_group, lost_peer_line, settings_mismatch, shared_settings,
+                         signalled_ranks)
 from iteration import PhaseTimer
 from lora_adapters import SnapshotError
 from memory import TRAINER_MEMORY_FLAGS, memory_error, model_shape, out_of_memory_line
@@ -376,9 +377,12 @@ class Run:
 
     def error_line(self, error):
         """What ends the run in one line (checks.errors_end_in_one_line), with what to do: a failed
-        allocation, an EventsFileError (a full disk) or a SnapshotError (a schedule's NaN)."""
+        allocation, an EventsFileError (a full disk), a SnapshotError (a schedule's NaN) or a
+        collective that failed when another rank went away."""
         if isinstance(error, (EventsFileError, SnapshotError)):
             return str(error), None
+        if line := lost_peer_line(error):
+            return line
         return out_of_memory_line(error, self.current_phase, self.device, TRAINER_MEMORY_FLAGS)
 
     def keep_after_error(self, stopped_by):

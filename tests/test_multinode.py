@@ -264,6 +264,46 @@ def test_a_node_whose_peer_never_comes_stops_after_join_timeout_in_one_line(tiny
     assert time.time() - began < 60
 
 
+def descendants(pid):
+    """The processes started by pid, by their children, and so on (Linux's /proc)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [grand for child in map(int, children) for grand in (child, *descendants(child))]
+
+
+def test_a_lost_node_under_max_restarts_is_named_while_the_host_waits_for_it(one_node, tiny_model_dir,
+                                                                             tmp_path):
+    """Node 1 lost mid-run (its agent and ranks killed) under MAX_RESTARTS=1: node 0's rank stops in
+    one line (its collective failed: a peer gone), with the last iteration saved; its agent restarts
+    it and waits JOIN_TIMEOUT (here 8 s) for node 1 to join again, naming it, by host and agent pid,
+    as not back from the last round; then one line says to start every node again. One node of 2
+    ranks then continues, bitwise."""
+    env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
+    port = str(free_port())
+    nodes = [start(env, tmp_path / f"node{rank}", "--num-iterations", 1000, "--save-every", 1000,
+                   NNODES="2", NODE_RANK=str(rank), MASTER_PORT=port, MAX_RESTARTS="1",
+                   JOIN_TIMEOUT="8") for rank in (0, 1)]
+    wait_for("events.*", tmp_path / "runs" / "run", "TensorBoard events")
+    for pid in [nodes[1].pid, *descendants(nodes[1].pid)]:  # the ranks start sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    lost = time.time()
+    (code0, _, err0), _ = finish(nodes, [tmp_path / "node0", tmp_path / "node1"])
+    assert code0 == 1 and "Traceback" not in err0, err0[-3000:]
+    assert time.time() - lost < 90
+    lines = err0.strip().splitlines()
+    assert lines[-1] == join_timeout_line(port)
+    missing = [line.split("; not back from the last round: ")[1] for line in lines
+               if "; not back from the last round: " in line]
+    assert missing and {re.sub(r"^\S+ ", "", name) for name in missing} == {f"(pid {nodes[1].pid})"}, lines
+    assert re.search(r"; joined so far: \S+ \(pid \d+, this node\);", "\n".join(lines)), lines
+    (stopped,) = [line for line in lines if line.startswith("crd.py: error: a collective of the ranks failed")]
+    assert re.search(r": Connection closed by peer \S+: once every node runs again, --resume-from latest "
+                     r"continues; (no checkpoint was saved|the latest checkpoint is \S+)$", stopped), stopped
+    resumed = succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
+                             NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
+    assert "--resume-from latest: " in resumed[0][1]
+    assert_same_training(tmp_path / "runs" / "run", one_node)
+
+
 def test_a_node_that_finds_no_rendezvous_store_stops_in_one_line(tiny_model_dir, tmp_path):
     """launch.py as docs/multi-node.md's per-node command, node 1 started with no host at the
     endpoint (read_timeout 3 s here, torch's 60 s by default): one line that says to start the host
