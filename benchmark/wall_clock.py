@@ -106,7 +106,9 @@ def main():
         parser.exit(1, "wall_clock.py: error: needs a CUDA GPU (torch sees none): it times the "
                        "full-size recipe; --tiny times README's demo on the CPU\n")
     trainer = TINY if cli.tiny else TRAINER
-    report = {"trainer": trainer, "iterations": cli.iterations}
+    device = "cpu" if cli.tiny else torch.cuda.get_device_name()
+    report = {"device": device, "torch": torch.__version__, "trainer": trainer,
+              "iterations": cli.iterations}
     with tempfile.TemporaryDirectory() as workdir:
         workdir = Path(workdir)
         for start in cli.starts:

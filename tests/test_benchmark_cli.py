@@ -240,3 +240,24 @@ def test_the_benchmarks_read_back_what_a_summary_writer_logged(tmp_path):
                                          "train/reward_mean": {2: 0.75}}
     assert all(event.wall_time > 0 for event in scalar_events(tmp_path / "run")["perf/iteration_s"])
     assert scalars(tmp_path / "never-started") == {} == scalar_events(tmp_path / "never-started")
+
+
+def test_results_md_gives_the_wall_clock_s_figures_from_its_file():
+    """The wall-clock paragraph's figures are the result file's, and each start's parts add up to
+    its launch-to-summary time."""
+    stored = json.loads((ROOT / "benchmark" / "results" / "wall_clock_h100.json").read_text())
+    cold, warm = stored["cold"], stored["warm"]
+    for start in (cold, warm):
+        parts = start["startup_s"] + sum(start["validations_s"].values()) + start["training_s"]
+        assert abs(parts + start["rest_s"] - start["wall_s"]) < 0.2
+        assert start["returncode"] == 0 and start["completed"] and start["iterations"] == 10
+        assert not start["whole_recipe"]["measured"]  # a projection, and said so
+    shown = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    for name, start in (("cold", cold), ("warm", warm)):
+        validations = sum(start["validations_s"].values())
+        assert (f"{name} {start['wall_s']} s ({'start-up ' if name == 'cold' else ''}"
+                f"{start['startup_s']}, {'validations ' if name == 'cold' else ''}{validations:.1f}, "
+                f"{'training ' if name == 'cold' else ''}{start['training_s']}, "
+                f"{'the rest ' if name == 'cold' else ''}{start['rest_s']})") in shown
+    assert (f"{warm['whole_recipe']['whole_recipe_s']:,.0f} s warm, at most "
+            f"{cold['whole_recipe']['whole_recipe_s']:,.0f} s cold") in shown
