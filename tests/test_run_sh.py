@@ -256,7 +256,9 @@ def tiny_run_env(tmp_path, **tools):
 
 
 def test_a_reward_server_that_fails_to_start_shows_its_log(tmp_path):
-    result = run_sh(tiny_run_env(tmp_path, vllm_mode="--fail"), "crd", "--text-encoder-device", "cpu", timeout=120)
+    # the tiny model: the hub id's dry run would refuse SD3.5-M's 24 images in this CPU's memory
+    env = {**tiny_run_env(tmp_path, vllm_mode="--fail"), "MODEL": "tiny"}
+    result = run_sh(env, "crd", "--text-encoder-device", "cpu", timeout=120)
     assert result.returncode == 1 and "the reward server exited; last lines of" in result.stderr
     assert "CUDA error: no kernel image is available (stand-in failure)" in result.stderr
 
