@@ -156,8 +156,9 @@ def rendezvous_state(handler):
 
 def nodes_joined(handler, last_round=()):
     """"; joined so far: host (pid N), ..." of the nodes in the round this agent waits in (this
-    node among them, marked), and "; not back from the last round: ..." of the last round's nodes
-    that have not joined again (at a restart: a node lost or stopped); "" where it cannot be read."""
+    node among them, marked), and "; not back from the last round: ..." of the last round's
+    nodes that have not joined again (at a restart: a node lost or stopped); "" where it cannot
+    be read."""
     state = rendezvous_state(handler)
     if state is None:
         return ""
@@ -188,7 +189,7 @@ class TrainerAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
         self.hosts_store, self.met_at_exit = hosts_store, False
-        self.last_round = []  # the nodes of the last rendezvous round: a restart names those missing
+        self.last_round = []  # the last rendezvous round's nodes: a restart names those missing
         # torchrun's launcher shuts the rendezvous down after run() returns: this agent's last
         # use of the store, after which the host may take it away
         handler = self._worker_group.spec.rdzv_handler
@@ -321,9 +322,9 @@ if __name__ == "__main__":
                   "every rank stopped after the same iteration, which rank 0 saved", file=sys.stderr, flush=True)
             sys.exit(code)
         how = f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0 else f"exit code {code}"
-        print(f"launch.py: rank {rank} of {error.name} failed ({how}); its error is printed above. Once it is "
-              "fixed, --resume-from latest (on every node) continues from the run's latest checkpoint",
-              file=sys.stderr, flush=True)
+        print(f"launch.py: rank {rank} of {error.name} failed ({how}); its error is printed "
+              "above. Once it is fixed, --resume-from latest (on every node) continues from the "
+              "run's latest checkpoint", file=sys.stderr, flush=True)
         sys.exit(code)
     else:
         if TrainerAgent.lost_store:

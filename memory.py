@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
-from sd3 import MEDIUM_HUB_ID, RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory, cache_root, load_pipeline
+from sd3 import (MEDIUM_HUB_ID, RANDOM_MEDIUM, TINY, TINY_DIR_NAME, available_host_memory,
+                 cache_root, load_pipeline)
 
 
 # Values a transformer block keeps per token and hidden unit for its backward: 34 bytes at 16 bits

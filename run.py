@@ -216,7 +216,7 @@ class Run:
         self.prompt_sha256 = prompt_files_sha256(flat_settings(args))  # as read: edits are refused
         self.train_set = train_set
         self.eval_set = eval_set
-        shape = model_shape(args.model) if args.output.dry_run else None  # a run: once it has loaded
+        shape = model_shape(args.model) if args.output.dry_run else None  # a run: once loaded
         if shape and (error := memory_error(args, shape, self.dtype, self.device)):
             fail(error)
         check_model_path(args.model)

@@ -101,9 +101,9 @@ def check_directory_name(flag, name, run_name, directory_name=None):
                        f"\"..\"); the run directory is {{output_dir}}/{run_name}")
     size = len(os.fsencode(directory_name or name))
     if size > NAME_MAX:
-        raise RunError(f"{flag} {name[:40]!r}... ({len(name)} characters): the run directory's name "
-                       f"{{output_dir}}/{run_name} would be {size} bytes, more than the {NAME_MAX} a "
-                       "file system allows a name; choose a shorter one")
+        raise RunError(f"{flag} {name[:40]!r}... ({len(name)} characters): the run "
+                       f"directory's name {{output_dir}}/{run_name} would be {size} bytes, more "
+                       f"than the {NAME_MAX} a file system allows a name; choose a shorter one")
 
 
 def unused_directory(parent, name, create):
