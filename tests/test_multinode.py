@@ -281,7 +281,7 @@ def test_a_lost_node_under_max_restarts_is_named_while_the_host_waits_for_it(one
     port = str(free_port())
     nodes = [start(env, tmp_path / f"node{rank}", "--num-iterations", 1000, "--save-every", 1000,
                    NNODES="2", NODE_RANK=str(rank), MASTER_PORT=port, MAX_RESTARTS="1",
-                   JOIN_TIMEOUT="8") for rank in (0, 1)]
+                   JOIN_TIMEOUT="5") for rank in (0, 1)]
     wait_for("events.*", tmp_path / "runs" / "run", "TensorBoard events")
     for pid in [nodes[1].pid, *descendants(nodes[1].pid)]:  # the ranks start sessions of their own
         os.kill(pid, signal.SIGKILL)
@@ -404,11 +404,11 @@ def test_a_clean_finish_whose_rendezvous_host_went_away_before_this_node_closed_
     assert json.loads((run / "summary.json").read_text())["completed"]
 
 
-def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(one_node, tiny_model_dir, tmp_path):
+def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(tiny_model_dir, tmp_path):
     """SIGTERM to node 1 under MAX_RESTARTS=1: both ranks stop after the same iteration, which rank 0
     saves; node 0's agent does not restart its rank (a restart would wait JOIN_TIMEOUT, 300 s here,
-    for node 1) but ends at once in the stop's one line; the checkpoint and summary.json stand, and
-    one node of 2 ranks continues from them, bitwise."""
+    for node 1) but ends at once in the stop's one line; the checkpoint and summary.json stand (a
+    resume from such a stop: test_sigterm_to_one_node_stops_both_and_one_node_resumes_bitwise)."""
     env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
     run = tmp_path / "runs" / "run"
     port = str(free_port())
@@ -428,10 +428,6 @@ def test_a_stopped_node_under_max_restarts_stops_the_other_at_once(one_node, tin
     (saved,) = run.glob("*global_step_*")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and saved.name == f"global_step_{summary['iterations']}"
-    resumed = succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
-                             NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
-    assert f"--resume-from latest: {saved}\n" in resumed[0][1]
-    assert_same_training(run, one_node)
 
 
 def nodes_with_other_settings(env, log, node1_flags, *extra):
