@@ -14,7 +14,8 @@ A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line 
 so is a rendezvous that not every node joined in time (its join_timeout, at the start or at a restart), and a node
 that found no rendezvous store to join (its host not started, or another address). While an agent waits for the
 other nodes to join, where torchrun is silent, a line every quarter of the join timeout (at most every 30 s) says
-how long it has waited.
+how long it has waited. At a restart, a node of the last round whose agent is gone (it left no heartbeat in the
+rendezvous) is waited for LOST_NODE_TIMEOUT seconds (30), not the join timeout: then one line names it.
 SIGUSR1 (a common Slurm pre-emption signal, `--signal=USR1@600`) stops the run as SIGTERM does: torchrun forwards
 SIGTERM to the ranks, which save, and launch.py exits 143. With --max-restarts, launch.py gives each attempt's ranks a
 store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so that a restart survives a killed rank 0.
@@ -98,6 +99,11 @@ def exit_barrier_timeout():
     return seconds_above_0(os.environ.get("EXIT_BARRIER_TIMEOUT", "30"), "EXIT_BARRIER_TIMEOUT")
 
 
+def lost_node_timeout():
+    """LOST_NODE_TIMEOUT's seconds (30 by default), or one line."""
+    return seconds_above_0(os.environ.get("LOST_NODE_TIMEOUT", "30"), "LOST_NODE_TIMEOUT")
+
+
 def rdzv_settings(rdzv_conf):
     """torchrun's --rdzv-conf (key=value,...) as a dict."""
     return dict(pair.split("=", 1) for pair in rdzv_conf.split(",") if "=" in pair)
@@ -154,6 +160,25 @@ def rendezvous_state(handler):
     return getattr(getattr(handler, "_state_holder", None), "state", None)
 
 
+def lost_nodes(state, last_round, this):
+    """The last round's nodes, other than this one, that left no heartbeat in the rendezvous and
+    have not joined again: their agent is gone (torch drops a node's heartbeat once it is older
+    than keep_alive_interval x keep_alive_max_attempt, 15 s by default; a live agent beats while
+    its ranks restart)."""
+    present = {*state.participants, *state.wait_list, *state.last_heartbeats}
+    return [node for node in last_round if node != this and node not in present]
+
+
+def node_names(nodes, this=None):
+    """"host (pid N), ..." of rendezvous nodes (pid: the node's agent)."""
+    return ", ".join(f"{node.addr} (pid {node.pid}{', this node' if node == this else ''})"
+                     for node in nodes)
+
+
+class NodeLost(Exception):
+    """A node of the last round whose agent is gone was not back in LOST_NODE_TIMEOUT seconds."""
+
+
 def nodes_joined(handler, last_round=()):
     """"; joined so far: host (pid N), ..." of the nodes in the round this agent waits in (this
     node among them, marked), and "; not back from the last round: ..." of the last round's
@@ -166,14 +191,11 @@ def nodes_joined(handler, last_round=()):
     # nodes that joined wait for the next round
     nodes = list(state.wait_list if state.complete else state.participants)
     this = getattr(handler, "_this_node", None)
-
-    def names(among):
-        return ", ".join(f"{node.addr} (pid {node.pid}{', this node' if node == this else ''})"
-                         for node in among)
-
     missing = [node for node in last_round if node not in nodes]
-    gone = f"; not back from the last round: {names(missing)}" if missing else ""
-    return f"; joined so far: {names(nodes) or 'none'}{gone}"
+    lost = lost_nodes(state, last_round, this)
+    gone = f"; not back from the last round: {node_names(missing)}" if missing else ""
+    dead = f" (no heartbeat: {node_names(lost)})" if lost else ""
+    return f"; joined so far: {node_names(nodes, this) or 'none'}{gone}{dead}"
 
 
 class TrainerAgent(LocalElasticAgent):
@@ -185,9 +207,11 @@ class TrainerAgent(LocalElasticAgent):
     joined = False  # this node has met the others once: a store that stops answering went away
     lost_store = False  # the rendezvous could not be closed: its store's host had gone
 
-    def __init__(self, *args, waiting_line, join_timeout_s, hosts_store, **kwargs):
+    def __init__(self, *args, waiting_line, join_timeout_s, lost_node_timeout_s, hosts_store,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.waiting_line, self.join_timeout_s = waiting_line, join_timeout_s
+        self.lost_node_timeout_s = lost_node_timeout_s
         self.hosts_store, self.met_at_exit = hosts_store, False
         self.last_round = []  # the last rendezvous round's nodes: a restart names those missing
         # torchrun's launcher shuts the rendezvous down after run() returns: this agent's last
@@ -199,11 +223,38 @@ class TrainerAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         last_round = self.last_round
         with lines_while_waiting(self.waiting_line, self.join_timeout_s,
-                                 lambda: nodes_joined(handler, last_round)):
+                                 lambda: nodes_joined(handler, last_round)), \
+                self._stop_waiting_for_lost_nodes(handler, last_round):
             super()._rendezvous(worker_group)
         TrainerAgent.joined = True
         state = rendezvous_state(handler)
         self.last_round = list(state.participants) if state else []
+
+    @contextmanager
+    def _stop_waiting_for_lost_nodes(self, handler, last_round):
+        """While this agent waits in the rendezvous: NodeLost once a node of the last round whose
+        agent is gone has not joined again LOST_NODE_TIMEOUT seconds after the wait began (it does
+        not come back by itself); the join timeout still bounds a wait for nodes alive elsewhere."""
+        executor = getattr(handler, "_op_executor", None)
+        if executor is None or not last_round:
+            yield  # the first round, or a rendezvous backend without torch's state: join timeout
+            return
+        began = time.monotonic()
+        run = executor.run
+
+        def run_watched(state_handler, deadline, *rest):
+            def step(ctx, deadline):
+                lost = lost_nodes(ctx.state, last_round, ctx.node)
+                if lost and time.monotonic() - began > self.lost_node_timeout_s:
+                    raise NodeLost(node_names(lost))
+                return state_handler(ctx, deadline)
+            return run(step, deadline, *rest)
+
+        executor.run = run_watched
+        try:
+            yield
+        finally:
+            del executor.run  # the class's own again
 
     def _exit_barrier(self):
         """torch's exit barrier, where an agent that never came is one line, not a traceback."""
@@ -282,11 +333,12 @@ if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, stop_on_usr1)  # torchrun handles TERM, INT, HUP and QUIT only
     # the ranks leave together (a barrier before they exit), so every node's agent reaches the
     # exit barrier within seconds of the others: the class torchrun's launcher builds agents of
-    barrier_s = exit_barrier_timeout()
+    barrier_s, lost_s = exit_barrier_timeout(), lost_node_timeout()
     waiting = (f"waiting for every one of the {torchrun_args.nnodes} nodes to join the rendezvous at "
                f"{torchrun_args.rdzv_endpoint} (its join timeout: --rdzv-conf join_timeout, run.sh's JOIN_TIMEOUT)")
     launcher_api.LocalElasticAgent = partial(TrainerAgent, exit_barrier_timeout=barrier_s, waiting_line=waiting,
                                              join_timeout_s=join_timeout(torchrun_args.rdzv_conf),
+                                             lost_node_timeout_s=lost_s,
                                              hosts_store=hosts_rendezvous_store(torchrun_args))
     try:
         main()
@@ -306,6 +358,12 @@ if __name__ == "__main__":
               "(--rdzv-conf read_timeout, 60 s by default): the node that hosts it (is_host=1, run.sh's NODE_RANK=0) "
               "is not running there; start it, or check the address (run.sh's MASTER_ADDR and MASTER_PORT)",
               file=sys.stderr, flush=True)
+        sys.exit(1)
+    except NodeLost as lost:
+        print(f"launch.py: error: {lost} of the last rendezvous round was lost: its agent left no "
+              f"heartbeat and it did not join again in {lost_s:g} s (LOST_NODE_TIMEOUT); a lost "
+              "node does not come back by itself: start every node again, and --resume-from "
+              "latest continues the run", file=sys.stderr, flush=True)
         sys.exit(1)
     except RendezvousTimeoutError:
         print(f"launch.py: error: not every one of the {torchrun_args.nnodes} nodes joined the rendezvous at "

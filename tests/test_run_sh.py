@@ -376,13 +376,15 @@ def test_launch_py_names_a_bad_nproc_per_node_before_torchrun_starts(flag, messa
     assert result.returncode == 1 and result.stderr.splitlines() == [f"launch.py: error: {message}"]
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "inf"])
-def test_launch_py_names_a_bad_exit_barrier_timeout_before_torchrun_starts(value, tmp_path):
+@pytest.mark.parametrize("name,value", [("EXIT_BARRIER_TIMEOUT", "abc"), ("EXIT_BARRIER_TIMEOUT", "0"),
+                                        ("EXIT_BARRIER_TIMEOUT", "inf"), ("LOST_NODE_TIMEOUT", "-1"),
+                                        ("LOST_NODE_TIMEOUT", "1 min")])
+def test_launch_py_names_a_bad_timeout_of_its_own_before_torchrun_starts(name, value, tmp_path):
     result = subprocess.run([sys.executable, "launch.py", "--standalone", "--nproc-per-node", "1",
                              str(tmp_path / "never_run.py")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60, env={**os.environ, "EXIT_BARRIER_TIMEOUT": value})
+                            text=True, timeout=60, env={**os.environ, name: value})
     assert result.returncode == 1 and result.stderr.splitlines() == [
-        f"launch.py: error: EXIT_BARRIER_TIMEOUT={value}: not a number of seconds above 0"]
+        f"launch.py: error: {name}={value}: not a number of seconds above 0"]
 
 
 @pytest.mark.parametrize("value", ["abc", "-5"])
