@@ -261,3 +261,39 @@ def test_results_md_gives_the_wall_clock_s_figures_from_its_file():
                 f"{'the rest ' if name == 'cold' else ''}{start['rest_s']})") in shown
     assert (f"{warm['whole_recipe']['whole_recipe_s']:,.0f} s warm, at most "
             f"{cold['whole_recipe']['whole_recipe_s']:,.0f} s cold") in shown
+
+
+def test_compile_speed_reads_each_run_s_steady_iteration_from_its_events(tmp_path):
+    """compile_speed.steady: the median perf/iteration_s after the skipped iterations, from a
+    real TensorBoard events file, and the count of iterations logged."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    sys.path.insert(0, str(ROOT))
+    from benchmark.ocr_proxy import compile_speed
+
+    writer = SummaryWriter(str(tmp_path))
+    for iteration, seconds in enumerate([30.0, 9.0, 1.5, 1.0, 1.25, 1.75], 1):
+        writer.add_scalar("perf/iteration_s", seconds, iteration)
+    writer.close()
+    assert compile_speed.steady(tmp_path, skip=2) == {"iterations": 6, "median_iteration_s": 1.375}
+    assert compile_speed.steady(tmp_path / "none", skip=2) == {"iterations": 0, "median_iteration_s": None}
+
+
+def test_results_md_gives_the_compiled_proxy_runs_figures_from_their_file():
+    """The side-by-side section's compile figures are the file's (same call, same machine), and
+    the target's arithmetic holds: 16 cores at 6.75 run-iterations a second leave 2.37 core-s a
+    run-iteration, less than the reads alone."""
+    stored = json.loads((ROOT / "benchmark/results/ocr_proxy_compile_speed_h100.json").read_text())
+    warm = stored["call_2_warm_caches"]
+    compiled, eager = warm["compiled"], warm["eager"]
+    shown = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    assert (f"6 runs made {compiled['steady_run_iterations_per_s']:.2f} run-iterations/s (steady) "
+            f"against {eager['steady_run_iterations_per_s']:.2f} eager there") in shown
+    cpu = {name: setting["per_run_iteration_cpu_s"] for name, setting in warm.items()}
+    assert (f"CPU fell from {cpu['eager']['trainers']:.2f} to {cpu['compiled']['trainers']:.2f} core-s "
+            f"a run-iteration, the GPU from {eager['usage']['gpu_busy_percent_median']:.0f}% to "
+            f"{compiled['usage']['gpu_busy_percent_median']:.0f}% busy") in shown
+    reads = cpu["compiled"]["ocr_pool"]
+    assert f"reads take {reads:.2f} core-s, and 6.75 a second allows {16 / 6.75:.2f}" in shown
+    assert reads < 16 / 6.75 < reads + cpu["compiled"]["trainers"] and stored["cores"] == 16
+    assert compiled["steady_run_iterations_per_s"] / eager["steady_run_iterations_per_s"] < 1.11
