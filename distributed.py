@@ -89,12 +89,16 @@ def all_mean_(tensors, world_size):
             t.copy_(reduced)
 
 
+# torch 2.13 renamed all_gather_into_tensor (a FutureWarning on every rank); older torch has only it
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather(tensor, world_size):
     """(N, ...) on each rank -> (world_size * N, ...), rank-major, on every rank."""
     if world_size == 1:
         return tensor
     out = tensor.new_empty(world_size * len(tensor), *tensor.shape[1:])
-    dist.all_gather_into_tensor(out, tensor.contiguous())
+    all_gather_into(out, tensor.contiguous())
     return out
 
 

@@ -14,8 +14,9 @@ A --nproc-per-node torchrun cannot start (0, abc, gpu without GPUs) is one line 
 so is a rendezvous that not every node joined in time (its join_timeout, at the start or at a restart), and a node
 that found no rendezvous store to join (its host not started, or another address). While an agent waits for the
 other nodes to join, where torchrun is silent, a line every quarter of the join timeout (at most every 30 s) says
-how long it has waited. At a restart, a node of the last round whose agent is gone (it left no heartbeat in the
-rendezvous) is waited for LOST_NODE_TIMEOUT seconds (30), not the join timeout: then one line names it.
+how long it has waited. At a restart, a node of the last round whose agent is gone (it left
+no heartbeat in the rendezvous) is waited for LOST_NODE_TIMEOUT seconds (30), not the join
+timeout: then one line names it.
 SIGUSR1 (a common Slurm pre-emption signal, `--signal=USR1@600`) stops the run as SIGTERM does: torchrun forwards
 SIGTERM to the ranks, which save, and launch.py exits 143. With --max-restarts, launch.py gives each attempt's ranks a
 store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so that a restart survives a killed rank 0.

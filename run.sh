@@ -19,7 +19,8 @@
 # needed with NNODES > 1, made up once per launch with MAX_RESTARTS on one node), REWARD_URLS (vLLM
 # servers elsewhere, comma-separated: none is started here; else every node starts its own).
 # EXIT_BARRIER_TIMEOUT (30: seconds a node's agent waits at the end for the other nodes' agents)
-# and LOST_NODE_TIMEOUT (30: seconds a restart waits for a node whose agent is gone), read by launch.py.
+# and LOST_NODE_TIMEOUT (30: seconds a restart waits for a node whose agent is gone), read by
+# launch.py.
 # SIGTERM or Ctrl-C stops the run at the end of its iteration with a checkpoint; the exit status is then 143 / 130.
 # With --device cpu on a host without GPUs: NUM_GPUS_ACTOR_ROLLOUT CPU ranks, each scoring its own images.
 # The vLLM reward server is started (where vllm is installed) only for a run that reads it: no

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from checkpoint import CHECKPOINT_FILES, RunError, entry_judges, save_checkpoint
+from distributed import all_gather_into
 
 
 def save_last_iteration(run_dir, state, transformer, optimizer, keep_last, stopped_by=None):
@@ -60,7 +60,7 @@ def actor_peak_memory(device, world_size):
                         device=device)  # (1, 2): GiB, device index
     peaks = peak.new_empty(world_size, 2)
     if world_size > 1:
-        dist.all_gather_into_tensor(peaks, peak)
+        all_gather_into(peaks, peak)
     else:
         peaks.copy_(peak)
     return {f"actor rank {r} {device.type}{'' if i < 0 else f':{i:.0f}'}": p for r, (p, i) in enumerate(peaks.tolist())}

@@ -5,13 +5,13 @@ what run.sh passes with RUN_NAME and what a requeued job or a restart runs again
 run.sh then starts no reward server."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from test_run_sh import fake_tools, free_port, run_sh
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "ocr"
@@ -24,7 +24,7 @@ RUN = ["--model", "tiny", "--reward", "brightness", "--device", "cpu", "--train-
 def train(tiny_model_dir, out, *extra):
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
     cmd = [sys.executable, "crd.py", *RUN, "--output-dir", str(out), *map(str, extra)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def listing(run):

@@ -3,7 +3,6 @@
 import difflib
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from dgpo import (Args, check_args, dgpo_loss, ema_decay, snapshots_after_iterat
                   train_timestep_grid)
 import lora_adapters
 import sd3
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
@@ -197,7 +197,7 @@ def test_the_loop_trains_the_window_against_the_cfg_guided_base(tiny_model_dir, 
     cmd = [sys.executable, str(wrapper), str(ROOT), str(tmp_path / "step.safetensors"), *TINY_RUN,
            "--output-dir", str(tmp_path), "--timestep-window", "7", "--num-train-timesteps", "7"]
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     step = load_file(tmp_path / "step.safetensors")
     per_group = step["timesteps"].view(-1, 7, G)  # micro_batch_rows: (groups, T, G) with one group per micro batch

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from ocr_reward import compressibility, make_scorer
 from settings import ScoringArgs
 from tensorboard_logs import scalars
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "ocr"
@@ -35,7 +36,7 @@ def run(tiny_model_dir, *args, check=True, background=False):
     cmd = [sys.executable, "evaluate.py", *map(str, args)]
     if background:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     return result
@@ -55,7 +56,7 @@ def trained(tiny_model_dir, tmp_path_factory):
            "--group-size", "4", "--eval-prompts", "4", "--eval-steps", "4", "--learning-rate", "3e-3", "--num-iterations",
            "2", "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "96", "--output-dir", str(out),
            "--run-name", "run"]
-    subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}, check=True,
+    zygote.run(cmd, cwd=ROOT, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}, check=True,
                    capture_output=True, timeout=600)
     return out / "run"
 

@@ -25,6 +25,7 @@ import run_summary
 import sd3
 from settings import ScoringArgs, flat_settings, with_settings
 from test_trainers import ROOT
+import zygote
 
 # README's demo ("The two commands"): {flag: value}
 DEMO = {"--model": "tiny", "--reward": "brightness", "--train-data": "tests/data/ocr/train.txt",
@@ -59,10 +60,10 @@ def file_size_limit(limit):
 def demo(tiny_model_dir, tmp_path_factory):
     """The short demo's run directory, and evaluate.py's results directory of its checkpoint."""
     out = tmp_path_factory.mktemp("demo")
-    subprocess.run(command("crd.py", SHORT_DEMO, "--output-dir", out / "runs", "--run-name", "run"),
+    zygote.run(command("crd.py", SHORT_DEMO, "--output-dir", out / "runs", "--run-name", "run"),
                    cwd=ROOT, env=env(tiny_model_dir), check=True, capture_output=True, timeout=600)
     run = out / "runs" / "run"
-    subprocess.run(command("evaluate.py", {}, "--checkpoint", run / "global_step_1", *SCORE_DEMO,
+    zygote.run(command("evaluate.py", {}, "--checkpoint", run / "global_step_1", *SCORE_DEMO,
                            "--output-dir", out / "evals"),
                    cwd=ROOT, env=env(tiny_model_dir), check=True, capture_output=True, timeout=600)
     (results,) = (out / "evals").iterdir()
@@ -166,7 +167,7 @@ def test_a_full_disk_at_evaluates_grid_is_one_line_naming_it(demo, tiny_model_di
     lines = (copied / "results.jsonl").read_text()
     grid, summary = (copied / "grid.png").stat().st_size, (copied / "results.json").stat().st_size
     assert grid > 2 * summary  # the limit below lets results.json through, not the grid
-    failed = subprocess.run(command("evaluate.py", {}, "--checkpoint", run / "global_step_1",
+    failed = zygote.run(command("evaluate.py", {}, "--checkpoint", run / "global_step_1",
                                     *SCORE_DEMO, "--output-dir", out),
                             cwd=ROOT, env=env(tiny_model_dir), capture_output=True, text=True,
                             timeout=600, preexec_fn=file_size_limit((grid + summary) // 2))
@@ -198,7 +199,7 @@ def test_a_second_evaluate_on_the_same_results_stops_naming_the_first(demo, tiny
             if "prompts already scored" in line:
                 break
         first.send_signal(signal.SIGSTOP)
-        second = subprocess.run(more, cwd=ROOT, env=env(tiny_model_dir), capture_output=True,
+        second = zygote.run(more, cwd=ROOT, env=env(tiny_model_dir), capture_output=True,
                                 text=True, timeout=600)
         first.send_signal(signal.SIGCONT)
         first.communicate(timeout=600)
@@ -217,7 +218,7 @@ def mounted_tmpfs(path):
     path.mkdir()
     mount = ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)]
     try:
-        result = subprocess.run(mount, capture_output=True, text=True)
+        result = zygote.run(mount, capture_output=True, text=True)
     except FileNotFoundError:
         pytest.skip("no mount command: a small tmpfs is what fills up here")
     if result.returncode:
@@ -241,8 +242,8 @@ def test_a_full_disk_at_optimizer_pt_stops_the_trainer_with_one_line_and_a_summa
         used = (stat.f_blocks - stat.f_bfree) * stat.f_frsize
         # the new events file takes a few KiB of the half optimizer.pt left
         room = sum(sizes.values()) - sizes["optimizer.pt"] // 2
-        subprocess.run(["mount", "-o", f"remount,size={used + room}", str(disk)], check=True)
-        resumed = subprocess.run(command("crd.py", SHORT_DEMO, "--num-iterations", 2,
+        zygote.run(["mount", "-o", f"remount,size={used + room}", str(disk)], check=True)
+        resumed = zygote.run(command("crd.py", SHORT_DEMO, "--num-iterations", 2,
                                          "--eval-every", 0, "--resume-from", step),
                                  cwd=ROOT, env=env(tiny_model_dir), capture_output=True,
                                  text=True, timeout=600)
@@ -256,7 +257,7 @@ def test_a_full_disk_at_optimizer_pt_stops_the_trainer_with_one_line_and_a_summa
         assert summary["completed"] is False and summary["stopped_by"] == message
         assert summary["iterations"] == 2
     finally:
-        subprocess.run(["umount", str(disk)], check=True)
+        zygote.run(["umount", str(disk)], check=True)
 
 
 def test_an_events_file_that_cannot_grow_stops_the_run_with_one_line_and_a_checkpoint(
@@ -268,7 +269,7 @@ def test_an_events_file_that_cannot_grow_stops_the_run_with_one_line_and_a_check
     the run."""
     run = tmp_path / "runs" / "run"
     flags = {**DEMO, "--eval-every": "1", "--save-every": "2", "--eval-judge": "none"}
-    stopped = subprocess.run(command("crd.py", flags, "--output-dir", run.parent, "--run-name",
+    stopped = zygote.run(command("crd.py", flags, "--output-dir", run.parent, "--run-name",
                                      "run"), cwd=ROOT, env=env(tiny_model_dir),
                              capture_output=True, text=True, timeout=600,
                              preexec_fn=file_size_limit(400_000))
@@ -280,7 +281,7 @@ def test_an_events_file_that_cannot_grow_stops_the_run_with_one_line_and_a_check
     assert 2 <= summary["iterations"] < 6 and latest.is_dir()
     assert stopped.stderr.strip().splitlines()[-1] == (
         f"crd.py: error: {why}; the latest checkpoint is {latest}")
-    resumed = subprocess.run(command("crd.py", flags, "--output-dir", run.parent, "--run-name",
+    resumed = zygote.run(command("crd.py", flags, "--output-dir", run.parent, "--run-name",
                                      "run", "--resume-from", "latest"),
                              cwd=ROOT, env=env(tiny_model_dir), capture_output=True, text=True,
                              timeout=600)

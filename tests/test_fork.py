@@ -6,7 +6,6 @@ import ast
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from benchmark.ocr_proxy import run_benchmark
 from tensorboard_logs import scalars
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "ocr"
@@ -55,7 +55,7 @@ def train_fork(script, tiny_model_dir, tmp_path, *extra):
            "--max-sequence-length", "96", *map(str, extra),
            "--output-dir", str(tmp_path / "runs"), "--run-name", "fork"]
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent), "PYTHONPATH": str(ROOT)}
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return zygote.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_docs_fork_example_trains(tiny_model_dir, tmp_path):
@@ -116,7 +116,7 @@ def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tm
            "--eval-data", str(DATA / "test.txt"), "--num-prompts", "4", "--reward", "brightness",
            "--judge", "none", "--device", "cpu", "--output-dir", str(tmp_path / "evals")]
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--adapter policy" in result.stdout  # the validation protocol it took from the checkpoint
     (evaluated,) = (tmp_path / "evals").glob("*/results.json")

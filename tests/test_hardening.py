@@ -32,6 +32,7 @@ from scoring import GuardedScorer
 import sd3
 from settings import OutputArgs, ScoringArgs, flat_settings, with_settings
 from test_trainers import DATA, ROOT, TINY_RUN, train
+import zygote
 
 
 @pytest.fixture(scope="module")
@@ -411,7 +412,7 @@ def test_zero_iterations_write_a_valid_summary_with_nulls(tiny_model_dir, tmp_pa
 @pytest.mark.parametrize("script", ["crd.py", "dgpo.py"])
 def test_help_shows_one_default_per_flag(script):
     # as wide as one column of boxes goes: tyro sets them side by side from 130 columns
-    result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, check=True,
+    result = zygote.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, check=True,
                             env={**os.environ, "COLUMNS": "129"})
     flags = re.split(r"\n[│| ]+(?=--[a-z])", result.stdout)
     for flag in ("--run-name", "--text-encoder-device", "--reward-device", "--keep-last", "--overwrite"):
@@ -451,7 +452,7 @@ def test_a_dry_run_of_sd35_medium_s_hub_id_refuses_an_iteration_too_large_before
     """run.sh's default model is the hub id, whose configs a dry run cannot read offline: its shapes
     are the random SD3.5-M's, so 40,000 images are refused there, without asking the hub."""
     data = ROOT / "tests" / "data" / "ocr"
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, "crd.py", "--dry-run", "--group-size", "10000", "--device", "cpu",
          "--output-dir", str(tmp_path), "--train-data", str(data / "train.txt"),
          "--eval-data", str(data / "test.txt")],

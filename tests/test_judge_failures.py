@@ -9,7 +9,6 @@ Run: python -m pytest -q -n 0 tests/test_judge_failures.py
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ import tiny_models
 from ocr_server import ocr_server
 from tensorboard_logs import scalars
 from test_trainers import DATA, ROOT, TINY_RUN
+import zygote
 
 JUDGES = ["--pickscore-model", "{clip}", "--pickscore-processor", "{clip}"]
 
@@ -35,7 +35,7 @@ def broken_clip(tmp_path_factory):
 
 def run(tiny_model_dir, script, *args):
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
+    return zygote.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -35,11 +35,12 @@ ITERATIONS = 3  # the uninterrupted runs; the interrupted ones stop or lose a ra
 
 
 def run_env(tmp_path, tiny_model_dir, out):
-    """run.sh's environment for tiny CPU runs in `out`: stand-in GPUs (fake_tools), no reward server
-    (the runs score brightness), run `run` continued by --resume-from latest."""
-    env = {k: v for k, v in fake_tools(tmp_path).items() if k not in DIST_ENV}
-    env.update(CRD_CACHE=str(tiny_model_dir.parent), OUTPUT_DIR=str(out), NUM_GPUS_REWARD="0",
-               OMP_NUM_THREADS="1", RUN_NAME="run", STOP_TIMEOUT="60")
+    """run.sh's environment for tiny CPU runs in `out`: this host as it is (--device cpu on a host
+    without GPUs: NUM_GPUS_ACTOR_ROLLOUT CPU ranks), no reward server (the runs score brightness),
+    run `run` continued by --resume-from latest."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(PYTHON=sys.executable, CRD_CACHE=str(tiny_model_dir.parent), OUTPUT_DIR=str(out),
+               NUM_GPUS_REWARD="0", OMP_NUM_THREADS="1", RUN_NAME="run", STOP_TIMEOUT="60")
     return env
 
 
@@ -166,7 +167,8 @@ def test_two_nodes_train_bitwise_like_one_node_of_two_ranks(one_node, tiny_model
     logs = [tmp_path / "node0", tmp_path / "node1"]
     (tmp_path / "late").mkdir()
     (tmp_path / "late" / "sitecustomize.py").write_text(LATE_CLOSE)
-    late = {"PYTHONPATH": f"{tmp_path / 'late'}:{env['PYTHONPATH']}"}
+    late = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "late"),
+                                                        env.get("PYTHONPATH")]))}
     port = str(free_port())
     nodes = [start(env, logs[rank], "--num-iterations", ITERATIONS, NNODES="2", NODE_RANK=str(rank),
                    MASTER_PORT=port, TORCH_CPP_LOG_LEVEL="WARNING", **(late if rank else {}))
@@ -270,8 +272,8 @@ def descendants(pid):
     return [grand for child in map(int, children) for grand in (child, *descendants(child))]
 
 
-def test_a_lost_node_under_max_restarts_stops_the_host_in_seconds_naming_it(one_node, tiny_model_dir,
-                                                                           tmp_path):
+def test_a_lost_node_under_max_restarts_stops_the_host_in_seconds_naming_it(
+        one_node, tiny_model_dir, tmp_path):
     """Node 1 lost mid-run (its agent and ranks killed) under MAX_RESTARTS=1: node 0's rank stops in
     one line (its collective failed: a peer gone), saying what it kept; its agent restarts it and
     waits for node 1, naming it, by host and agent pid, as not back from the last round. Once node
@@ -293,13 +295,15 @@ def test_a_lost_node_under_max_restarts_stops_the_host_in_seconds_naming_it(one_
     lines = err0.strip().splitlines()
     assert re.fullmatch(
         r"launch\.py: error: \S+ \(pid (\d+)\) of the last rendezvous round was lost: its agent "
-        r"left no heartbeat and it did not join again in 1 s \(LOST_NODE_TIMEOUT\); a lost node does "
-        r"not come back by itself: start every node again, and --resume-from latest continues the "
-        r"run", lines[-1]), lines[-1]
+        r"left no heartbeat and it did not join again in 1 s \(LOST_NODE_TIMEOUT\); a lost node "
+        r"does not come back by itself: start every node again, and --resume-from latest "
+        r"continues the run", lines[-1]), lines[-1]
     assert lines[-1].split("(pid ")[1].split(")")[0] == str(nodes[1].pid)
-    (stopped,) = [line for line in lines if line.startswith("crd.py: error: a collective of the ranks failed")]
-    assert re.search(r": Connection closed by peer \S+: once every node runs again, --resume-from latest "
-                     r"continues; (no checkpoint was saved|the latest checkpoint is \S+)$", stopped), stopped
+    (stopped,) = [line for line in lines
+                  if line.startswith("crd.py: error: a collective of the ranks failed")]
+    assert re.search(r": Connection closed by peer \S+: once every node runs again, --resume-from "
+                     r"latest continues; (no checkpoint was saved|the latest checkpoint is \S+)$",
+                     stopped), stopped
     resumed = succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
                              NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
     assert "--resume-from latest: " in resumed[0][1]
@@ -308,7 +312,8 @@ def test_a_lost_node_under_max_restarts_stops_the_host_in_seconds_naming_it(one_
 
 def test_the_host_waiting_for_nodes_names_those_not_back_and_those_lost():
     """launch.nodes_joined on a rendezvous state as torch keeps it: the nodes waiting for the next
-    round (this one marked), the last round's nodes not back, and of them those with no heartbeat."""
+    round (this one marked), the last round's nodes not back, and of them those with no
+    heartbeat."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
 
     import launch
@@ -324,8 +329,8 @@ def test_the_host_waiting_for_nodes_names_those_not_back_and_those_lost():
         _state_holder = type("Holder", (), {"state": state})()
 
     assert launch.nodes_joined(Handler(), [this, alive, gone]) == (
-        "; joined so far: host0 (pid 100, this node); not back from the last round: host1 (pid 101), "
-        "host2 (pid 102) (no heartbeat: host2 (pid 102))")
+        "; joined so far: host0 (pid 100, this node); not back from the last round: "
+        "host1 (pid 101), host2 (pid 102) (no heartbeat: host2 (pid 102))")
     assert launch.lost_nodes(state, [this, alive, gone], this) == [gone]
     state.wait_list = {this, gone}  # it came back
     assert launch.lost_nodes(state, [this, alive, gone], this) == []
@@ -350,13 +355,14 @@ def test_a_node_that_finds_no_rendezvous_store_stops_in_one_line(tiny_model_dir,
 
 
 def test_a_node_whose_peer_s_agent_was_killed_ends_after_the_exit_barrier_in_one_line(
-        tiny_model_dir, tmp_path):
+        one_node, tiny_model_dir, tmp_path):
     """kill -9 of node 1's agent: nothing stops its rank, so the run ends as planned; node 0's agent
     then waits EXIT_BARRIER_TIMEOUT (3 s here) for node 1's, not torch's 300 s, and says so in one
-    line: exit 0, no traceback, none of the agent's C++ socket warnings."""
+    line: exit 0, no traceback, none of the agent's C++ socket warnings. What the run saved is the
+    uninterrupted run's, bitwise."""
     env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
     run = tmp_path / "runs" / "run"
-    nodes = two_nodes(env, tmp_path / "node", "--num-iterations", 14, "--save-every", 1000,
+    nodes = two_nodes(env, tmp_path / "node", "--num-iterations", ITERATIONS,
                       EXIT_BARRIER_TIMEOUT="3")
     wait_for("events.*", run, "TensorBoard events")
     os.kill(nodes[1].pid, signal.SIGKILL)
@@ -369,6 +375,7 @@ def test_a_node_whose_peer_s_agent_was_killed_ends_after_the_exit_barrier_in_one
         "launch.py: another node's agent did not finish in 3 s (EXIT_BARRIER_TIMEOUT): it was "
         "killed or its ranks failed; this node's ranks ended")
     assert json.loads((run / "summary.json").read_text())["completed"]
+    assert_same_training(run, one_node)
 
 
 def test_a_node_whose_rendezvous_host_was_killed_mid_run_says_so_in_one_line(one_node, tiny_model_dir,
@@ -412,7 +419,9 @@ def test_a_clean_finish_whose_rendezvous_host_went_away_before_this_node_closed_
     run = tmp_path / "runs" / "run"
     (tmp_path / "late").mkdir()
     (tmp_path / "late" / "sitecustomize.py").write_text(LATE_CLOSE)
-    late = {"PYTHONPATH": f"{tmp_path / 'late'}:{env['PYTHONPATH']}", "CLOSE_LATE_S": "8"}
+    late = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "late"),
+                                                        env.get("PYTHONPATH")])),
+            "CLOSE_LATE_S": "8"}
     port = str(free_port())
     nodes = [start(env, tmp_path / f"node{rank}", "--num-iterations", 1, NNODES="2",
                    NODE_RANK=str(rank), MASTER_PORT=port, **(late if rank else {}))
@@ -498,15 +507,22 @@ def test_nodes_started_with_other_settings_stop_at_once_naming_the_flag(flag, va
 def test_a_resume_with_other_settings_on_one_node_stops_at_once(one_node, tiny_model_dir,
                                                                 tmp_path):
     """--num-iterations may change on resume (checkpoint.SAFE_TO_CHANGE_ON_RESUME), but not from
-    one node to another: one rank would stop while the other waits in its next collective."""
+    one node to another: one rank would stop while the other waits in its next collective. The
+    run stopped after iteration 1 is left as it was, and then continues bitwise."""
     env = run_env(tmp_path, tiny_model_dir, tmp_path / "runs")
     run = tmp_path / "runs" / "run"
-    shutil.copytree(one_node, run)
-    held = sorted(p.name for p in run.iterdir())
+    succeed([start(env, tmp_path / "first", "--num-iterations", 1, NUM_GPUS_ACTOR_ROLLOUT="2")],
+            [tmp_path / "first"])
+    held = {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*")
+            if p.name != "run.lock"}  # each start takes the lock
     results, seconds = nodes_with_other_settings(env, tmp_path / "node", ["--num-iterations", 5],
                                                  "--num-iterations", 4)
     assert_one_line_naming(results, "--num-iterations", ("4", "5"))
-    assert seconds < 120 and sorted(p.name for p in run.iterdir()) == held  # nothing written
+    assert seconds < 120 and {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*")
+                              if p.name != "run.lock"} == held
+    succeed([start(env, tmp_path / "resume", "--num-iterations", ITERATIONS,
+                   NUM_GPUS_ACTOR_ROLLOUT="2")], [tmp_path / "resume"])
+    assert_same_training(run, one_node)
 
 
 def latest(args, **changes):

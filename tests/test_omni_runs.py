@@ -9,7 +9,6 @@ Run: python -m pytest -q -n 0 tests/test_omni_runs.py
 import json
 import os
 import shutil
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ from tensorboard_logs import scalars
 from test_omni_rollout import write_stand_in
 from test_omni_rollout import lora_pipe, on_cpu, stand_in, stand_in_dir  # noqa: F401, F811
 from test_trainers import ROOT, TINY_RUN, train
+import zygote
 
 # A trainer under the stand-in: its folder first on sys.path, the CPU accepted as the on_cpu
 # fixture accepts it in process (the real vLLM-Omni has no CPU path); at the end it prints the
@@ -67,7 +67,7 @@ def runs(tiny_model_dir, tmp_path_factory):
            out / "vllm-omni", "--run-name", "run", "--rollout-engine", "vllm-omni",
            *THREE_ITERATIONS, "--resume-from", run["vllm-omni"] / "global_step_1"]
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
-    result = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=env, capture_output=True,
+    result = zygote.run(list(map(str, cmd)), cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return {**run, "stdout": result.stdout}

@@ -8,12 +8,12 @@ iteration whose memory cannot fit stop a trainer before its first rollout, with 
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "ocr"
@@ -60,7 +60,7 @@ def run_failing(tmp_path, tiny_model_dir, kind, fail_at, script="crd.py", args=N
     args = args or [*RUN, "--output-dir", str(tmp_path)]
     cmd = [sys.executable, str(wrapper), script, kind, str(fail_at), *args]
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("kind, fail_at, phase, saved", [
@@ -105,7 +105,7 @@ def test_out_of_memory_in_the_first_iteration_leaves_a_summary_and_a_run_that_st
     assert summary["iterations"] == 0 and not summary["completed"]
     assert summary["stopped_by"].startswith("out of memory in the rollout of iteration 1")
     assert not list(run.glob("global_step_*"))
-    again = subprocess.run([sys.executable, "crd.py", *RUN, "--output-dir", str(tmp_path),
+    again = zygote.run([sys.executable, "crd.py", *RUN, "--output-dir", str(tmp_path),
                             "--resume-from", "latest"], cwd=ROOT, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)})
     assert again.returncode == 0, again.stderr[-3000:]
@@ -149,7 +149,7 @@ def test_evaluate_out_of_memory_is_one_line_and_keeps_what_is_scored(kind, fail_
     assert [json.loads(line)["index"] for line in lines] == list(range(kept))
     if not kept:  # nothing kept: the same command is an ordinary evaluation, tested elsewhere
         return
-    again = subprocess.run([sys.executable, "evaluate.py", *evaluate], cwd=ROOT, timeout=300,
+    again = zygote.run([sys.executable, "evaluate.py", *evaluate], cwd=ROOT, timeout=300,
                            env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)},
                            capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -164,7 +164,7 @@ def test_images_that_cannot_fit_stop_before_the_first_rollout_with_an_estimate(s
     loading, with the estimate and what it counts, instead of growing for minutes."""
     flags = [*RUN, "--group-size", "1000000", "--train-batch-size", "1000000"]
     started = time.monotonic()
-    result = subprocess.run([sys.executable, script, *flags, "--output-dir", str(tmp_path)],
+    result = zygote.run([sys.executable, script, *flags, "--output-dir", str(tmp_path)],
                             cwd=ROOT, env={**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)},
                             capture_output=True, text=True, timeout=300)
     assert time.monotonic() - started < 120

@@ -16,6 +16,7 @@ import torch
 import precompile
 import rollout
 import sd3
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +92,7 @@ with lora_adapters.use_adapter(transformer, "policy"):
 v.square().mean().backward()
 print(json.dumps({{**counters["aot_autograd"], **counters["inductor"]}}))
 """
-    run = subprocess.run([sys.executable, "-c", trainer], cwd=ROOT, capture_output=True, text=True)
+    run = zygote.run([sys.executable, "-c", trainer], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     counts = json.loads(run.stdout.splitlines()[-1])
     assert counts.get("autograd_cache_hit") == 2 and "autograd_cache_miss" not in counts, counts  # 2 block kinds
@@ -159,7 +160,7 @@ time.sleep(600)
 def test_the_worker_script_run_by_hand_gives_help_or_one_line(argv, code, first):
     """python precompile.py --help (a new user's first try) prints the help; a spec that is not
     Precompile's is one line, never a traceback."""
-    result = subprocess.run([sys.executable, "precompile.py", *argv], cwd=ROOT, capture_output=True,
+    result = zygote.run([sys.executable, "precompile.py", *argv], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == code and "Traceback" not in result.stdout + result.stderr
     output = result.stdout if code == 0 else result.stderr

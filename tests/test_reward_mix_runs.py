@@ -10,7 +10,6 @@ Run: python -m pytest -q -n 0 tests/test_reward_mix_runs.py
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ import nft
 from settings import flat_settings
 from tensorboard_logs import scalars
 from test_trainers import DATA, ROOT, TINY_RUN, train
+import zygote
 
 # 3 iterations at lr 1e-2 under gdpo (each reward counts by its weight alone): validation, the same
 # seeds before and after, shows brightness risen with weight +1 and fallen with weight -1 (seeds
@@ -95,7 +95,7 @@ def test_judges_are_logged_summarised_and_compared(mix_runs):
     darker = json.loads((mix_runs["darker"] / "summary.json").read_text())
     assert "eval_judges" not in darker and darker["initial_eval_judge"] is None
     assert not {"eval/flat", "eval/reward_paddle"} & set(tags(mix_runs["darker"]))
-    result = subprocess.run(["bash", "run.sh", "compare", run, mix_runs["darker"]], cwd=ROOT,
+    result = zygote.run(["bash", "run.sh", "compare", run, mix_runs["darker"]], cwd=ROOT,
                             env={**os.environ, "PYTHON": sys.executable}, capture_output=True,
                             text=True, check=True)
     rows = {cells[0]: cells[1:] for cells in
@@ -122,7 +122,7 @@ def test_evaluate_scores_the_mix_and_the_judges_as_the_trainer_validated(mix_run
     cmd = [sys.executable, "evaluate.py", "--checkpoint", run / "global_step_3", "--reward",
            *BRIGHTER.split(), "--judge", "flat", "paddle", "brightness", "--eval-data",
            DATA / "test.txt", "--num-prompts", 4, "--device", "cpu", "--output-dir", tmp_path]
-    subprocess.run(list(map(str, cmd)), cwd=ROOT, env=env, check=True, capture_output=True,
+    zygote.run(list(map(str, cmd)), cwd=ROOT, env=env, check=True, capture_output=True,
                    timeout=600)
     (path,) = tmp_path.glob("*/results.json")
     results = json.loads(path.read_text())

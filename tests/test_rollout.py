@@ -4,7 +4,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +19,7 @@ import lora_adapters
 import precompile
 import rollout
 import sd3
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ['a sign that says "hello"', 'a poster with "CRD 2026" on it']
@@ -226,7 +226,7 @@ def test_a_target_beyond_the_t5_cut_is_warned_once_with_its_file_and_line(tiny_p
 def test_no_torchvision_notice_at_import():
     """transformers' notice that its image processors fall back to PIL without torchvision (as on CI) is silenced: it
     comes with the import of diffusers' SD3 pipeline, which sd3 imports where it loads or builds one."""
-    result = subprocess.run([sys.executable, "-c", "import sd3; from diffusers import StableDiffusion3Pipeline"],
+    result = zygote.run([sys.executable, "-c", "import sd3; from diffusers import StableDiffusion3Pipeline"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert "torchvision" not in result.stderr, result.stderr
 
@@ -235,7 +235,7 @@ def test_entry_points_import_no_model_library():
     """diffusers, transformers and peft take 4 s to import: the trainers and evaluate.py check their arguments, and
     answer --help and --dry-run, without them."""
     code = "import crd, dgpo, evaluate, sys; print(*({'diffusers', 'transformers', 'peft'} & set(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    result = zygote.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == []
 
 
@@ -377,7 +377,7 @@ def test_compile_cache_carries_compiled_kernels_to_a_fresh_process(tmp_path, mon
               "counts = torch._dynamo.utils.counters['inductor']\n"
               "print('graphs found, compiled:', counts['fxgraph_cache_hit'], counts['fxgraph_cache_miss'])\n")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    fresh = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    fresh = zygote.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert fresh.stdout.splitlines() == ["graphs found, compiled: 1 0"], fresh.stderr[-2000:]
 
     cache.path.write_bytes(b"not a cache")
@@ -444,7 +444,7 @@ warnings.warn_explicit("Dynamo detected a call to a `functools.lru_cache`-wrappe
 def test_compiled_decoder_silences_only_diffusers_expected_lru_cache_warnings(tiny_model_dir):
     """diffusers' Upsample2D calls an lru_cache-wrapped version check in bf16 (upsampling.py:156
     and 180), which dynamo reports on every cold start; compile_decoder silences those two alone."""
-    result = subprocess.run([sys.executable, "-c", QUIET_DECODER, str(tiny_model_dir)], cwd=ROOT,
+    result = zygote.run([sys.executable, "-c", QUIET_DECODER, str(tiny_model_dir)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     reported = re.findall(r"lru_cache`-wrapped function at '([^']*)'", result.stderr)
@@ -573,7 +573,7 @@ def test_random_medium_beyond_the_cpus_memory_is_one_line_not_a_killed_process(t
     """In a subprocess: without the check, building 29.5 GiB of float32 weights gets it killed by the kernel."""
     if sd3.random_medium_memory_error(torch.float32) is None:
         pytest.skip("this machine holds SD3.5-M in float32")
-    result = subprocess.run([sys.executable, "crd.py", "--model", sd3.RANDOM_MEDIUM, "--device", "cpu",
+    result = zygote.run([sys.executable, "crd.py", "--model", sd3.RANDOM_MEDIUM, "--device", "cpu",
                              "--reward", "brightness", "--train-data", "tests/data/ocr/train.txt",
                              "--eval-data", "tests/data/ocr/test.txt", "--output-dir", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -617,7 +617,7 @@ def test_dry_run_names_a_component_folder_the_model_lacks(tiny_model_dir, tmp_pa
     sd3.check_model_path(str(model))  # whole, it passes: null entries (image_encoder) need none
     shutil.rmtree(model / "transformer")
     data = ROOT / "tests" / "data" / "ocr"
-    result = subprocess.run([sys.executable, "crd.py", "--model", str(model), "--reward", "brightness",
+    result = zygote.run([sys.executable, "crd.py", "--model", str(model), "--reward", "brightness",
                              "--train-data", data / "train.txt", "--eval-data", data / "test.txt",
                              "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.splitlines() == [

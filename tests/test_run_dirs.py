@@ -5,7 +5,6 @@ directory."""
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import crd
 import run_dirs
 from settings import ScoringArgs, with_settings
 from test_trainers import train
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def test_an_exp_name_is_one_path_component(tmp_path, name):
 
 
 def test_an_exp_name_outside_the_output_dir_stops_the_trainer_in_one_line(tmp_path):
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, str(ROOT / "crd.py"), "--exp-name", "../../up", "--output-dir",
          str(tmp_path / "runs" / "out"), "--device", "cpu"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -123,7 +123,7 @@ def start_with_too_few_prompts(tmp_path):
     """crd.py into --output-dir tmp_path/runs, --run-name run, with a train file of 1 prompt for 4
     per rank: it must fail in one line before it trains."""
     (tmp_path / "few.txt").write_text('A sign that reads "Open"\n')
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, str(ROOT / "crd.py"), "--train-data", str(tmp_path / "few.txt"),
          "--eval-data", str(ROOT / "tests/data/ocr/test.txt"), "--prompts-per-rank", "4",
          "--output-dir", str(tmp_path / "runs"), "--run-name", "run", "--device", "cpu"],

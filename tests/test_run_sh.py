@@ -376,9 +376,9 @@ def test_launch_py_names_a_bad_nproc_per_node_before_torchrun_starts(flag, messa
     assert result.returncode == 1 and result.stderr.splitlines() == [f"launch.py: error: {message}"]
 
 
-@pytest.mark.parametrize("name,value", [("EXIT_BARRIER_TIMEOUT", "abc"), ("EXIT_BARRIER_TIMEOUT", "0"),
-                                        ("EXIT_BARRIER_TIMEOUT", "inf"), ("LOST_NODE_TIMEOUT", "-1"),
-                                        ("LOST_NODE_TIMEOUT", "1 min")])
+@pytest.mark.parametrize("name,value", [
+    ("EXIT_BARRIER_TIMEOUT", "abc"), ("EXIT_BARRIER_TIMEOUT", "0"), ("EXIT_BARRIER_TIMEOUT", "inf"),
+    ("LOST_NODE_TIMEOUT", "-1"), ("LOST_NODE_TIMEOUT", "1 min")])
 def test_launch_py_names_a_bad_timeout_of_its_own_before_torchrun_starts(name, value, tmp_path):
     result = subprocess.run([sys.executable, "launch.py", "--standalone", "--nproc-per-node", "1",
                              str(tmp_path / "never_run.py")], cwd=ROOT, capture_output=True,

@@ -4,7 +4,6 @@ naming the iteration, and counted at its end: rollout and validation images that
 prompt group got one reward (std 0: no learning signal)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ocr_server import ocr_server
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "ocr"
@@ -26,7 +26,7 @@ ONCE = "(warned once: the end of the run counts them)"
 def train(tiny_model_dir, out, *extra):
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
     cmd = [sys.executable, "crd.py", *RUN, "--output-dir", str(out), *map(str, extra)]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result.stdout.splitlines()
 

@@ -9,13 +9,13 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import threading
 
 import pytest
 
 from test_trainers import ROOT, TINY_RUN
+import zygote
 
 BLOCK_WANDB = """import sys
 
@@ -39,7 +39,7 @@ def clean_env(**extra):
 
 def train(env, out_dir, *extra):
     cmd = [sys.executable, "crd.py", *TINY_RUN, "--output-dir", str(out_dir), *map(str, extra)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_track_logs_the_run_offline_with_its_tensorboard_scalars(tiny_model_dir, tmp_path):

@@ -26,6 +26,7 @@ import nft
 from ocr_server import ocr_server
 import rollout
 import sd3
+import zygote
 from tensorboard_logs import scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ SPEC_TAGS = {"train/reward_mean", "train/reward_std", "train/zero_std_group_frac
 def train(script, tiny_model_dir, out_dir, *extra, check=True, timeout=600):
     env = {**os.environ, "CRD_CACHE": str(tiny_model_dir.parent)}
     cmd = [sys.executable, script, *TINY_RUN, "--output-dir", str(out_dir), "--run-name", "run", *map(str, extra)]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = zygote.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     return result

@@ -1,14 +1,16 @@
-"""The OCR proxy's runs side by side, eager (the driver's --no-compile) and then compiled (the trainers' --compile:
-the transformer blocks and the VAE decoder), on one GPU and the same pretrained base: run-iterations a second, each
-run's steady iteration, and what the runs used of the machine (run_benchmark's `usage`).
+"""The OCR proxy's runs side by side, eager (the driver's --no-compile) and then compiled (the
+trainers' --compile: the transformer blocks and the VAE decoder), on one GPU and the same pretrained
+base: run-iterations a second, each run's steady iteration, and what the runs used of the machine
+(run_benchmark's `usage`).
 
-    python benchmark/ocr_proxy/compile_speed.py --out compile_speed.json --bench.out /tmp/compile_speed
+    python benchmark/ocr_proxy/compile_speed.py --out compile_speed.json --bench.out /tmp/cs
 
-The base is pretrained first, in a process of its own (the drivers fork their PP-OCR pools before CUDA is used).
-Each setting is then one run_benchmark.main of the same runs (every algorithm x --bench.seeds) on that base, stopped
-by --bench.time-limit-s, in --bench.out/<setting>. A run's steady iteration is the median of its perf/iteration_s
-after its first --skip iterations (compiled runs compile there); the setting's rate is the sum over its runs of
-1 / that median. The report is written after each setting, so a call cut short keeps the settings that finished.
+The base is pretrained first, in a process of its own (the drivers fork their PP-OCR pools before
+CUDA is used). Each setting is then one run_benchmark.main of the same runs (every algorithm x
+--bench.seeds) on that base, stopped by --bench.time-limit-s, in --bench.out/<setting>. A run's
+steady iteration is the median of its perf/iteration_s after its first --skip iterations (compiled
+runs compile there); the setting's rate is the sum over its runs of 1 / that median. The report is
+written after each setting, so a call cut short keeps the settings that finished.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy import pretrain, run_benchmark  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = {"eager": "", "compiled": "--compile"}  # after the driver's own --no-compile: the last flag wins
+# given after the driver's own --no-compile: the last flag wins
+SETTINGS = {"eager": "", "compiled": "--compile"}
 
 
 @dataclass
@@ -45,7 +48,8 @@ class Args:
     compile_s: float = 90.0
     """wall time the compiled setting gets on top of --bench.time-limit-s: its runs compile first"""
     bench: run_benchmark.Args = field(default_factory=lambda: run_benchmark.Args(
-        out="/tmp/ocr_proxy_compile_speed", seeds=[0, 1], iterations=60, time_limit_s=150.0, final_scores=False))
+        out="/tmp/ocr_proxy_compile_speed", seeds=[0, 1], iterations=60, time_limit_s=150.0,
+        final_scores=False))
     """the runs of each setting (its --trainer-args come after the setting's flag)"""
 
 
@@ -53,15 +57,16 @@ def gpu_name() -> str:
     """The first GPU's name, without initialising CUDA in this process."""
     if not shutil.which("nvidia-smi"):
         return "cpu"
-    names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                           text=True, check=False).stdout.split("\n")
+    names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                           capture_output=True, text=True, check=False).stdout.split("\n")
     return names[0].strip() or "cpu"
 
 
 def steady(run_dir: Path, skip: int) -> dict:
     logged = run_benchmark.scalars(run_dir, "perf/iteration_s")
     times = [value for step, value in logged if step > skip]
-    return {"iterations": len(logged), "median_iteration_s": statistics.median(times) if times else None}
+    median = statistics.median(times) if times else None
+    return {"iterations": len(logged), "median_iteration_s": median}
 
 
 def run_setting(args: Args, name: str) -> dict:
@@ -75,19 +80,24 @@ def run_setting(args: Args, name: str) -> dict:
             for run in report["return_codes"]}
     medians = [r["median_iteration_s"] for r in runs.values() if r["median_iteration_s"]]
     run_iterations = sum(r["iterations"] for r in runs.values())
-    return {"trainer_args": bench.trainer_args, "time_limit_s": limit_s, "wall_s": time.perf_counter() - began,
-            "phases_s": report["phases_s"], "runs": runs, "run_iterations": run_iterations,
+    return {"trainer_args": bench.trainer_args, "time_limit_s": limit_s,
+            "wall_s": time.perf_counter() - began, "phases_s": report["phases_s"], "runs": runs,
+            "run_iterations": run_iterations,
             "run_iterations_per_s_of_rl": run_iterations / report["phases_s"]["rl"],
             "steady_run_iterations_per_s": sum(1 / m for m in medians) if medians else None,
-            "usage": report["usage"], "return_codes": report["return_codes"], "failed": report["failed"]}
+            "usage": report["usage"], "return_codes": report["return_codes"],
+            "failed": report["failed"]}
 
 
 def main(args: Args) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit.stdout.strip() or None, "device": gpu_name(),
-              "cores": len(os.sched_getaffinity(0)), "args": asdict(args), "settings": {}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True)
+    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit.stdout.strip() or None,
+              "device": gpu_name(), "cores": len(os.sched_getaffinity(0)), "args": asdict(args),
+              "settings": {}}
     began = time.perf_counter()
-    process = multiprocessing.get_context("spawn").Process(target=pretrain.pretrain, args=(args.bench.pretrain,))
+    process = multiprocessing.get_context("spawn").Process(target=pretrain.pretrain,
+                                                           args=(args.bench.pretrain,))
     process.start()
     process.join()
     if process.exitcode:
