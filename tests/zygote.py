@@ -5,9 +5,9 @@ real process of its own, minus the ~7.6 s of imports a trainer run spends on CI'
     result = zygote.run([sys.executable, "crd.py", *args], cwd=ROOT, env=env, timeout=600)
 
 Anything else goes to subprocess.run as it is: a command that is not a Python script, stdin input,
-output not captured as text, or an environment that differs from the server's in a variable read
-while those libraries import (threads, devices, the hub, PYTHONPATH). The server starts on the first
-call of each test process and ends with it.
+or output not captured as text. The variables read while Python and those libraries start
+(threads, devices, the hub, PYTHONPATH) are the server's own: each set of them gets a server of its
+own, started at its first call in a test process and ended with it (at most MOST_SERVERS).
 """
 
 import atexit
@@ -28,17 +28,19 @@ READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTOR
                   "TRITON")
 
 
-class Server:
-    def __init__(self):
-        self.env = dict(os.environ)
-        self.process = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=self.env)
-        atexit.register(self.close)
+MOST_SERVERS = 3  # each holds the libraries (~1 GiB): further environments get fresh interpreters
 
-    def serves(self, env: dict) -> bool:
-        changed = {k for k in {*env, *self.env} if env.get(k) != self.env.get(k)}
-        read_at_import = any(k.startswith(READ_AT_IMPORT) for k in changed)
-        return self.process.poll() is None and not read_at_import
+
+def read_at_import(env: dict) -> frozenset:
+    """The variables of env that the libraries or Python read as they start."""
+    return frozenset((k, v) for k, v in env.items() if k.startswith(READ_AT_IMPORT))
+
+
+class Server:
+    def __init__(self, env: dict):
+        self.process = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=env)
+        atexit.register(self.close)
 
     def reply(self, timeout_s=None) -> dict | None:
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
@@ -50,35 +52,37 @@ class Server:
             self.process.wait()
 
 
-_server = None
+_servers = {}  # read_at_import(env): the server started with those variables
 
 
 def run(cmd, *, cwd=None, env=None, timeout=None, check=False, capture_output=False, text=False,
         **kwargs):
     """subprocess.run(cmd, ...), with Python scripts run by the server where it can."""
-    global _server
     env = dict(os.environ if env is None else env)
     argv = [str(part) for part in cmd]
     script = len(argv) > 1 and argv[0] == sys.executable and argv[1].endswith(".py")
     if not (script and capture_output and text and not kwargs):
         return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, check=check,
                               capture_output=capture_output, text=text, **kwargs)
-    if _server is None or _server.process.poll() is not None:
-        _server = Server()
-    if not _server.serves(env):
+    key = read_at_import(env)
+    if key not in _servers and len(_servers) < MOST_SERVERS or (
+            key in _servers and _servers[key].process.poll() is not None):
+        _servers[key] = Server(env)
+    if key not in _servers:
         return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, check=check,
                               capture_output=True, text=True)
+    server = _servers[key]
     with tempfile.TemporaryDirectory() as outputs:
         out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
         request = {"argv": argv[1:], "cwd": str(cwd or os.getcwd()), "env": env,
                    "stdout": str(out), "stderr": str(err)}
-        _server.process.stdin.write(json.dumps(request) + "\n")
-        _server.process.stdin.flush()
-        pid = _server.reply()["pid"]
-        ended = _server.reply(timeout)
+        server.process.stdin.write(json.dumps(request) + "\n")
+        server.process.stdin.flush()
+        pid = server.reply()["pid"]
+        ended = server.reply(timeout)
         if ended is None:
             os.kill(pid, signal.SIGKILL)
-            _server.reply()
+            server.reply()
             raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(errors="replace"),
                                             stderr=err.read_text(errors="replace"))
         result = subprocess.CompletedProcess(cmd, ended["returncode"], out.read_text(),
