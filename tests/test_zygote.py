@@ -63,7 +63,8 @@ def test_a_script_past_its_timeout_is_killed_and_an_import_time_variable_gets_it
                             capture_output=True, text=True, timeout=60)
         assert served.returncode == 0, served.stderr
         parents.append(int(served.stdout.split("parent ")[1].split()[0]))
-    assert os.getpid() not in parents and parents[0] != parents[1]
+    # another server, or a fresh interpreter where this process holds zygote.MOST_SERVERS already
+    assert parents[0] != os.getpid() and parents[0] != parents[1]
 
 
 def test_a_trainer_run_by_the_server_is_the_fresh_interpreter_s_bitwise(tiny_model_dir, tmp_path):
