@@ -21,13 +21,11 @@ import tempfile
 from pathlib import Path
 
 SERVER = Path(__file__).with_name("zygote_server.py")
-# variables read when torch, diffusers or transformers import (or when Python starts): a command
-# whose environment changes one of them runs in a fresh interpreter
+# variables read when torch, diffusers or transformers import (or when Python starts): each set of
+# them gets a server of its own
 READ_AT_IMPORT = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA",
                   "NVIDIA", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DIFFUSERS", "TOKENIZERS", "LD_",
                   "TRITON")
-
-
 MOST_SERVERS = 3  # each holds the libraries (~1 GiB): further environments get fresh interpreters
 
 
