@@ -51,11 +51,11 @@ def run_script(request: dict) -> int:
     os.environ.update(request["env"])
     script, *args = request["argv"]
     sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    path = os.path.abspath(script)
+    sys.path[0] = os.path.dirname(path)
     try:
         # as the interpreter runs a script: a __main__ of its own, sys.argv left as the script sets
         # it (runpy.run_path would put back argv[0] before an error's hook reads it)
-        path = os.path.abspath(script)
         with open(path, "rb") as source:
             program = compile(source.read(), path, "exec")
         main = types.ModuleType("__main__")
@@ -67,7 +67,7 @@ def run_script(request: dict) -> int:
         code = exit_code(stop.code)
     except BaseException as error:
         trace = error.__traceback__
-        while trace and trace.tb_frame.f_code.co_filename != os.path.abspath(script):
+        while trace and trace.tb_frame.f_code.co_filename != path:
             trace = trace.tb_next  # this file's frame, which `python SCRIPT` has not
         error.__traceback__ = trace or error.__traceback__
         sys.excepthook(type(error), error, error.__traceback__)
