@@ -45,39 +45,66 @@ def test_peers_on_a_machine_without_a_gpu_is_one_line(tmp_path):
     result = run("benchmark/peers.py", "--flow-factory", tmp_path, "--out", out,
                  env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 1 and result.stderr.splitlines() == [
-        "peers.py: error: needs a CUDA GPU (torch sees none): it times both trainers on "
+        "peers.py: error: needs a CUDA GPU (torch sees none): it times the trainers on "
         "SD3.5-M; --tiny runs them on the tiny model on the CPU"]
     assert not out.exists()
 
 
-def test_peers_with_a_folder_that_is_no_flow_factory_checkout_is_one_line(tmp_path):
-    """Before anything runs or is written."""
-    out = tmp_path / "peers.json"
-    result = run("benchmark/peers.py", "--flow-factory", tmp_path / "Flow-Factory", "--tiny",
-                 "--out", out)
-    assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.splitlines() == [
-        f"peers.py: error: --flow-factory {tmp_path / 'Flow-Factory'}: not a Flow-Factory "
-        "checkout (no src/flow_factory/trainers/crd.py or flow_factory/trainers/crd.py there)"]
+@pytest.mark.parametrize("argv, error", [
+    ([], "name at least one peer's checkout: --flow-factory, --flow-grpo or --diffusionnft"),
+    (["--flow-grpo", "X", "--trainers", "diffusionnft", "ours"],
+     "--trainers diffusionnft: name its checkout (--diffusionnft PATH)"),
+    (["--diffusionnft", "X"], "--diffusionnft with --tiny: DiffusionNFT's train_nft_sd3.py runs "
+     "on CUDA only (NCCL and cuda:LOCAL_RANK); leave it out on a CPU")])
+def test_peers_without_a_peer_it_can_run_is_one_line(tmp_path, argv, error):
+    result = run("benchmark/peers.py", *argv, "--tiny", "--out", tmp_path / "peers.json")
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == f"peers.py: error: {error}"
     assert list(tmp_path.iterdir()) == []
 
 
-def flow_factory_checkout() -> Path | None:
-    """A checkout of X-GenGroup/Flow-Factory: $FLOW_FACTORY_CHECKOUT, else the copy of its
-    source at /work/peers/peer_ff/src, else None."""
-    for path in (os.environ.get("FLOW_FACTORY_CHECKOUT"), "/work/peers/peer_ff/src"):
-        if path and Path(path).is_dir():
-            return Path(path)
-    return None
+@pytest.mark.parametrize("flag, name, needs", [
+    ("--flow-factory", "Flow-Factory", "no src/flow_factory/trainers/crd.py or "
+     "flow_factory/trainers/crd.py there"),
+    ("--flow-grpo", "flow_grpo", "no scripts/train_sd3.py and flow_grpo/rewards.py there")])
+def test_peers_with_a_folder_that_is_no_checkout_of_the_peer_is_one_line(tmp_path, flag, name,
+                                                                        needs):
+    """Before anything runs or is written."""
+    out = tmp_path / "peers.json"
+    folder = tmp_path / "checkout"
+    folder.mkdir()
+    result = run("benchmark/peers.py", flag, folder, "--tiny", "--out", out)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"peers.py: error: {flag} {folder}: not a {name} checkout ({needs})"]
+    assert list(tmp_path.iterdir()) == [folder]
+
+
+def peer_checkout(variable: str) -> Path:
+    """A peer's checkout named by $variable, or the test is skipped: CI reaches only package
+    registries, and gets none."""
+    path = os.environ.get(variable)
+    if not path or not Path(path).is_dir():
+        pytest.skip(f"no checkout: set {variable} to one")
+    return Path(path)
+
+
+def check_trainer(trainer, entry_point, phases, images, iterations):
+    assert trainer["returncode"] == 0 and entry_point in trainer["command"]
+    assert len(trainer["iterations_s"]) == iterations
+    assert trainer["seconds_per_iteration"] == pytest.approx(
+        statistics.median(trainer["iterations_s"][1:]), abs=1e-3)  # each rounded to 1 ms
+    assert trainer["train_images_per_s"] == round(images / trainer["seconds_per_iteration"], 3)
+    assert set(trainer["split"]) == phases and trainer["peak_memory_gib"] > 0
+
+
+OURS_PHASES = {"rollout_s", "reward_wait_s", "train_s", "reward_s"}
 
 
 def test_peers_runs_flow_factory_and_crd_on_the_tiny_model_side_by_side(tmp_path, request):
-    """peers.py --tiny with a Flow-Factory checkout (where there is one: CI reaches only package
-    registries, and gets none): both trainers' steady iteration, images a second, split and
-    peak memory, their commands, Flow-Factory's config on the tiny model, what differs."""
-    checkout = flow_factory_checkout()
-    if checkout is None:
-        pytest.skip("no Flow-Factory checkout: set FLOW_FACTORY_CHECKOUT to one")
+    """peers.py --tiny with a Flow-Factory checkout: both trainers' steady iteration, images a
+    second, split and peak memory, their commands, Flow-Factory's config on the tiny model, what
+    differs."""
+    checkout = peer_checkout("FLOW_FACTORY_CHECKOUT")
     missing = [name for name in ("datasets", "dill", "multiprocess", "pyarrow", "pandas",
                                  "imageio") if importlib.util.find_spec(name) is None]
     if missing:
@@ -89,23 +116,55 @@ def test_peers_runs_flow_factory_and_crd_on_the_tiny_model_side_by_side(tmp_path
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     report = json.loads(out.read_text())
     assert report["work"]["model"] == str(model) and report["work"]["images_per_iteration"] == 8
-    settings = [item["setting"] for item in report["unmatched"]]
+    unmatched = report["unmatched"]["flow_factory"]
+    settings = [item["setting"] for item in unmatched]
     assert settings[:2] == ["rollout batch", "timesteps a forward"]
     assert "torch.compile" not in settings  # neither compiles on the CPU
-    for name, entry_point, phases in (
-            ("ours", "crd.py", {"rollout_s", "reward_wait_s", "train_s", "reward_s"}),
-            ("flow_factory", "flow_factory_timed.py", {"rollout_s", "reward_s", "train_s"})):
-        trainer = report[name]
-        assert trainer["returncode"] == 0 and entry_point in trainer["command"]
-        assert len(trainer["iterations_s"]) == 2
-        assert trainer["seconds_per_iteration"] == trainer["iterations_s"][1]
-        assert trainer["train_images_per_s"] == round(8 / trainer["seconds_per_iteration"], 3)
-        assert set(trainer["split"]) == phases and trainer["peak_memory_gib"] > 0
-        assert len(trainer["unmatched"]) == len(settings)
+    check_trainer(report["ours"], "crd.py", OURS_PHASES, 8, 2)
+    check_trainer(report["flow_factory"], "flow_factory_timed.py",
+                  {"rollout_s", "reward_s", "train_s"}, 8, 2)
+    assert report["flow_factory"]["unmatched"] == [
+        f"{item['setting']}: {item['theirs']}" for item in unmatched]
     config = (tmp_path / "peers_logs" / "flow_factory.yaml").read_text()
     assert f"model_name_or_path: {model}" in config and "resolution: 64" in config
     assert result.stdout.splitlines()[-3].split() == [
         "s/iteration", "images/s", "rollout", "s", "train", "s", "peak", "GiB"]
+
+
+def test_peers_runs_flow_grpo_s_own_script_beside_crd_and_resume_keeps_what_ran(tmp_path,
+                                                                              request):
+    """peers.py --tiny with a flow_grpo checkout: its scripts/train_sd3.py, unchanged, runs the
+    work (2 prompts x 4 images, 4 rollout steps, 3 trained timesteps) beside crd.py, each
+    iteration timed from outside; --resume then keeps both and runs nothing again."""
+    checkout = peer_checkout("FLOW_GRPO_CHECKOUT")
+    missing = [name for name in ("accelerate", "absl", "ml_collections")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"flow_grpo's packages not installed: {', '.join(missing)}")
+    model = request.getfixturevalue("tiny_model_dir")
+    out = tmp_path / "peers.json"
+    argv = ["benchmark/peers.py", "--flow-grpo", checkout, "--tiny", "--iterations", 3,
+            "--out", out]
+    result = run(*argv, env={"CRD_CACHE": str(model.parent)})
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    report = json.loads(out.read_text())
+    unmatched = report["unmatched"]["flow_grpo"]
+    assert [item["setting"] for item in unmatched][:2] == ["algorithm", "rollout batch"]
+    check_trainer(report["ours"], "crd.py", OURS_PHASES, 8, 3)
+    peer = report["flow_grpo"]
+    check_trainer(peer, "flow_grpo_timed.py", {"rollout_s", "reward_s", "train_s"}, 8, 3)
+    assert peer["unmatched"] == [f"{item['setting']}: {item['theirs']}" for item in unmatched]
+    assert peer["split"]["rollout_s"] + peer["split"]["train_s"] < peer["seconds_per_iteration"]
+    log = (tmp_path / "peers_logs" / "flow_grpo.log").read_text()
+    assert "Epoch 2.0: training" in log and "Epoch 3" not in log  # three iterations, then out
+    assert re.search(r"Timestep: 100%\|\S+\| 3/3", log)  # 3 trained timesteps an image
+    values = json.loads((tmp_path / "peers_logs" / "flow_grpo.json").read_text())["values"]
+    assert values["pretrained.model"] == str(model) and values["resolution"] == 64
+    assert int(values["sample.num_steps"] * values["train.timestep_fraction"]) == 3
+    again = run(*argv, "--resume", env={"CRD_CACHE": str(model.parent)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "flow_grpo: kept from" in again.stdout and "ours: kept from" in again.stdout
+    assert json.loads(out.read_text()) == report
 
 
 def test_judge_speed_says_what_it_is_doing_and_prints_the_times_it_reports(tmp_path):
