@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -522,7 +523,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU instead")
     parser.add_argument("--out", type=Path, default=Path("peers.json"), help="results (JSON)")
     parser.add_argument("--resume", action="store_true", help="keep the trainers --out holds "
-                        "that ran to their end on the same device, torch and work; run the rest")
+                        "that ran to their end on the same device, torch and work (each says its "
+                        "host and when it finished); run the rest")
     cli = parser.parse_args()
     named = [peer for peer in NAMES if getattr(cli, peer)]
     if not named:
@@ -578,6 +580,8 @@ def main():
                                   defaults, workdir, logs, cli.iterations, cli.tiny)
                 result["unmatched"] = [f"{item['setting']}: {item['theirs']}"
                                        for item in report["unmatched"][trainer]]
+            result.update(host=socket.gethostname(),
+                          finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
             report[trainer] = result
             cli.out.write_text(json.dumps(report, indent=1))  # a call cut short keeps each trainer
             print(trainer, json.dumps({k: v for k, v in result.items() if k != "unmatched"}),
