@@ -358,3 +358,27 @@ def test_results_md_gives_the_compiled_proxy_runs_figures_from_their_file():
     assert f"reads take {reads:.2f} core-s, and 6.75 a second allows {16 / 6.75:.2f}" in shown
     assert reads < 16 / 6.75 < reads + cpu["compiled"]["trainers"] and stored["cores"] == 16
     assert compiled["steady_run_iterations_per_s"] / eager["steady_run_iterations_per_s"] < 1.11
+
+
+def test_results_md_gives_the_peers_figures_from_their_files():
+    """The peers section's figures are its two files' (each call's trainers side by side on one
+    machine), and what it says stopped flow_grpo's and DiffusionNFT's scripts is in their logs."""
+    shown = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    for name, iterations in (("peers_h100.json", 6), ("peers_h100_three_peers_first_call.json", 5)):
+        stored = json.loads((ROOT / "benchmark" / "results" / name).read_text())
+        ff, ours = stored["flow_factory"], stored["ours"]
+        assert stored["device"] == "NVIDIA H100 80GB HBM3"
+        assert stored["work"]["iterations"] == iterations
+        for trainer in (ff, ours):
+            assert trainer["returncode"] == 0 and len(trainer["iterations_s"]) == iterations
+            steady = trainer["iterations_s"][1:]
+            assert f"{min(steady):.2f}–{max(steady):.2f} s" in shown or \
+                f"{min(steady):.1f}–{max(steady):.1f} s" in shown
+        ratio = ff["seconds_per_iteration"] / ours["seconds_per_iteration"]
+        assert f"{ratio:.1f}×" in shown and f"{ours['seconds_per_iteration']:.2f} s" in shown
+    first_call = json.loads(
+        (ROOT / "benchmark" / "results" / "peers_h100_three_peers_first_call.json").read_text())
+    assert "'SD3Transformer2DModel' object has no attribute 'module'" in \
+        first_call["flow_grpo"]["log_tail"]
+    assert "Got unsupported ScalarType BFloat16" in first_call["diffusionnft"]["log_tail"]
+    assert "flow_grpo and DiffusionNFT: not measured on a GPU." in shown
