@@ -33,13 +33,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(autouse=True)
-def servers_of_its_own(monkeypatch):
-    """Each test starts with none of this process's servers, which earlier tests on this worker may
-    have filled up to zygote.MOST_SERVERS, and ends the servers it started."""
+@pytest.fixture(scope="module", autouse=True)
+def servers_of_its_own():
+    """This module's tests start with none of this process's servers, which earlier tests on this
+    worker may have filled up to zygote.MOST_SERVERS, and end the servers they started."""
     servers = {}
-    monkeypatch.setattr(zygote, "_servers", servers)
-    yield servers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zygote, "_servers", servers)
+        yield servers
     for server in servers.values():
         server.close()
 
