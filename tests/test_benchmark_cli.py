@@ -382,3 +382,33 @@ def test_results_md_gives_the_peers_figures_from_their_files():
         first_call["flow_grpo"]["log_tail"]
     assert "Got unsupported ScalarType BFloat16" in first_call["diffusionnft"]["log_tail"]
     assert "flow_grpo and DiffusionNFT: not measured on a GPU." in shown
+
+
+def test_rec_width_reads_the_same_images_at_each_width_and_counts_what_differs(tmp_path):
+    """The real PP-OCR model on one stored grid's 16 tiles and 4 renders, at today's width and the
+    narrowest: today's differs from itself nowhere, and each set is read whole at each width."""
+    out = tmp_path / "rec_width.json"
+    result = run("benchmark/ocr_proxy/rec_width.py", "--widths", 320, 48, "--renders", 4,
+                 "--grids", "benchmark/results/ocr_proxy_grid_base.png", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["images"] == {"grid_tiles": 16, "renders": 4}
+    for name, count in report["images"].items():
+        assert report[name]["320"]["differ"] == 0 and 0 <= report[name]["48"]["differ"] <= count
+        assert all(report[name][width]["cpu_ms_per_read"] > 0 for width in ("320", "48"))
+    assert len(result.stdout.splitlines()) == 4
+
+
+def test_ocr_proxy_docs_give_the_recognition_widths_figures_from_their_file():
+    stored = json.loads((ROOT / "benchmark/results/ocr_proxy_rec_width_cpu.json").read_text())
+    tiles, renders = stored["grid_tiles"], stored["renders"]
+    assert stored["images"] == {"grid_tiles": 320, "renders": 200}
+    shown = re.sub(r"\s+", " ", (ROOT / "docs" / "ocr-proxy.md").read_text())
+    assert (f"halves a read ({tiles['320']['cpu_ms_per_read']} to {tiles['48']['cpu_ms_per_read']} "
+            "ms on one core") in shown
+    assert all(renders[width]["differ"] == 0 for width in renders) and "(200 of 200)" in shown
+    assert f"but {tiles['48']['differ']} of the 320 tiles" in shown
+    assert f"256 pixels still changes {tiles['256']['differ']} of them" in shown
+    results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    assert f"{tiles['48']['differ']} of 320 hard tiles read differently" in results
+    assert tiles["320"]["cpu_ms_per_read"] / tiles["48"]["cpu_ms_per_read"] > 1.9  # "2×"
