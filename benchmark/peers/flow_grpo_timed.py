@@ -14,8 +14,9 @@ The script is loaded as a module; these names of it are wrapped, then absl runs 
                                           the iteration before: no validation runs; after
                                           ITERATIONS iterations it ends the run, whose loop has no
                                           end of its own
-    return_decay (DiffusionNFT)           the old adapter's blend, an iteration's last call, ends
-                                          it (debug, their own switch, skips the validation and
+    return_decay (DiffusionNFT)           called just before the old adapter's blend (a copy of
+                                          the LoRA weights, left out), it ends the iteration
+                                          (debug, their own switch, skips the validation and
                                           checkpoints; num_epochs ends the run)
 and flow_grpo.rewards.multi_score gains the reward {"brightness": 1.0}, scored as crd.py --reward
 brightness (brightness.py). Each phase waits for the GPU before and after, as crd.py's PhaseTimer
