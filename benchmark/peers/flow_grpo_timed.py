@@ -127,7 +127,8 @@ def mark_epoch(iterations):
 
 
 def load(script, iterations):
-    """The script as a module, its names wrapped as above; flow_grpo's run ends after `iterations`."""
+    """The script as a module, its names wrapped as above; flow_grpo's run ends after
+    `iterations`."""
     spec = importlib.util.spec_from_file_location("peer_train", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
