@@ -229,8 +229,11 @@ def flow_factory_config(work, defaults, model, workdir, iterations, tiny) -> dic
 
 def flow_grpo_values(peer, work, model, workdir, iterations, tiny) -> dict:
     """The values flow_grpo_config.py sets in the peer's config/base.py: the work, and otherwise
-    its OCR recipe's settings (flow_grpo: config/grpo.py general_ocr_sd3_1gpu; DiffusionNFT:
-    config/nft.py sd3_ocr)."""
+    its OCR recipe's settings. flow_grpo ac4c86e: config/grpo.py general_ocr_sd3_1gpu (lines
+    221-258: beta 0.04 at 244, ema at 247) on config/base.py (noise level 0.7 at 54, global std
+    at 52, fp16 at 21). DiffusionNFT 24af555: config/nft.py sd3_ocr (lines 70-79: beta 0.1,
+    decay_type 2) on _get_config (KL beta 1e-4 and noise level 0.7 at 24-25, adv_mode, the
+    deterministic dpm2 sampler and CFG 1 at 62-66) and config/base.py (ema at 92, fp16 at 23)."""
     group = work["group_size"]
     values = {
         "run_name": peer, "seed": 42, "logdir": str(workdir / f"{peer}_logs"),
@@ -260,9 +263,9 @@ def flow_grpo_values(peer, work, model, workdir, iterations, tiny) -> dict:
 
 def changed_from_recipe(peer, work, tiny) -> list[str]:
     """Where the work departs from the peer's own OCR recipe (its config file, for one GPU)."""
-    group = work["group_size"]
-    changes = [f"{work['prompts']} prompts x {group} images an iteration (recipe: 8 x 8 for "
-               "flow_grpo on one GPU, 48 x 24 for DiffusionNFT on 8)",
+    recipe = {"flow_grpo": "8 x 8 on one GPU", "diffusionnft": "48 x 24 on 8 GPUs"}[peer]
+    changes = [f"{work['prompts']} prompts x {work['group_size']} images an iteration (recipe: "
+               f"{recipe})",
                "one batch of one group an optimizer step (recipe: two optimizer steps an "
                "iteration)",
                "the brightness reward (recipe: PP-OCR)", "no validation, no checkpoints"]
