@@ -405,7 +405,8 @@ def test_ocr_proxy_docs_give_the_recognition_widths_figures_from_their_file():
     assert stored["images"] == {"grid_tiles": 320, "renders": 200}
     shown = re.sub(r"\s+", " ", (ROOT / "docs" / "ocr-proxy.md").read_text())
     assert (f"halves a read ({tiles['320']['cpu_ms_per_read']} to {tiles['48']['cpu_ms_per_read']} "
-            "ms on one core") in shown
+            f"ms on one core of a {stored['cores']}-core Xeon") in shown
+    assert "Xeon" in stored["cpu"] and stored["engine_threads"] == 1
     assert all(renders[width]["differ"] == 0 for width in renders) and "(200 of 200)" in shown
     assert f"but {tiles['48']['differ']} of the 320 tiles" in shown
     assert f"256 pixels still changes {tiles['256']['differ']} of them" in shown

@@ -14,6 +14,8 @@ differ from width 320's, today's: a reward that reads differently is another rew
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,6 +44,13 @@ class Args:
     """standard deviation of the renders' Gaussian noise (0-255)"""
     out: str = ""
     """also write the results to this JSON file"""
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 def grid_tiles(pattern: str) -> list[Image.Image]:
@@ -73,7 +82,8 @@ def main(args: Args) -> dict:
     arrays, _ = noisy_renders(args.renders, args.noise)
     sets = {"grid_tiles": grid_tiles(args.grids),
             "renders": [Image.fromarray(array) for array in arrays]}
-    report = {"widths": args.widths, "noise": args.noise,
+    report = {"cpu": cpu_model(), "cores": os.cpu_count(), "engine_threads": 1,
+              "widths": args.widths, "noise": args.noise,
               "images": {name: len(images) for name, images in sets.items()}}
     for name, images in sets.items():
         reads = {width: read_all(width, images) for width in args.widths}
