@@ -520,7 +520,7 @@ def main():
     parser.add_argument("--iterations", type=int, default=6,
                         help="iterations of each trainer; the first is not counted (at least 2)")
     parser.add_argument("--trainers", nargs="+", choices=[*NAMES, "ours"],
-                        help="which to run (default: each peer named, then ours)")
+                        help="which to run, in this order (default: each peer named, then ours)")
     parser.add_argument("--model-dir", type=Path, help="where the random SD3.5-M is saved and "
                         "reused from (default: a temporary folder, removed at the end)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU instead")
@@ -533,7 +533,7 @@ def main():
     if not named:
         parser.error("name at least one peer's checkout: --flow-factory, --flow-grpo or "
                      "--diffusionnft")
-    cli.trainers = cli.trainers or [*named, "ours"]
+    cli.trainers = list(dict.fromkeys(cli.trainers or [*named, "ours"]))
     if unnamed := [peer for peer in cli.trainers if peer in NAMES and peer not in named]:
         parser.error(f"--trainers {unnamed[0]}: name its checkout (--"
                      f"{unnamed[0].replace('_', '-')} PATH)")
@@ -573,8 +573,8 @@ def main():
         for trainer, result in kept_results(cli, report).items():
             report[trainer] = result
             print(f"{trainer}: kept from {cli.out}", flush=True)
-        for trainer in (*NAMES, "ours"):
-            if trainer not in cli.trainers or trainer in report:
+        for trainer in cli.trainers:
+            if trainer in report:
                 continue
             if trainer == "ours":
                 result = run_ours(model, work, workdir, logs, cli.iterations, cli.tiny)
@@ -591,7 +591,7 @@ def main():
                   flush=True)
     print(f"{'':13} {'s/iteration':>11} {'images/s':>8} {'rollout s':>9} {'train s':>7} "
           f"{'peak GiB':>8}")
-    for trainer in (t for t in (*NAMES, "ours") if t in cli.trainers):
+    for trainer in cli.trainers:
         r = report[trainer]
         if r["returncode"]:
             print(f"{trainer:13} failed (exit {r['returncode']}): see {logs}")

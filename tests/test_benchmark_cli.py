@@ -135,7 +135,8 @@ def test_peers_runs_flow_grpo_s_own_script_beside_crd_and_resume_keeps_what_ran(
                                                                               request):
     """peers.py --tiny with a flow_grpo checkout: its scripts/train_sd3.py, unchanged, runs the
     work (2 prompts x 4 images, 4 rollout steps, 3 trained timesteps) beside crd.py, each
-    iteration timed from outside; --resume then keeps both and runs nothing again."""
+    iteration timed from outside, in the order --trainers names; --resume then keeps both and
+    runs nothing again."""
     checkout = peer_checkout("FLOW_GRPO_CHECKOUT")
     missing = [name for name in ("accelerate", "absl", "ml_collections")
                if importlib.util.find_spec(name) is None]
@@ -144,9 +145,12 @@ def test_peers_runs_flow_grpo_s_own_script_beside_crd_and_resume_keeps_what_ran(
     model = request.getfixturevalue("tiny_model_dir")
     out = tmp_path / "peers.json"
     argv = ["benchmark/peers.py", "--flow-grpo", checkout, "--tiny", "--iterations", 3,
-            "--out", out]
+            "--trainers", "ours", "flow_grpo", "--out", out]
     result = run(*argv, env={"CRD_CACHE": str(model.parent)})
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    started = [line.split(":")[0] for line in result.stdout.splitlines()
+               if line.startswith(("ours: ", "flow_grpo: "))]
+    assert started == ["ours", "flow_grpo"], result.stdout
     report = json.loads(out.read_text())
     unmatched = report["unmatched"]["flow_grpo"]
     assert [item["setting"] for item in unmatched][:2] == ["algorithm", "rollout batch"]
