@@ -365,9 +365,38 @@ def test_results_md_gives_the_compiled_proxy_runs_figures_from_their_file():
 
 
 def test_results_md_gives_the_peers_figures_from_their_files():
-    """The peers section's figures are its two files' (each call's trainers side by side on one
-    machine), and what it says stopped flow_grpo's and DiffusionNFT's scripts is in their logs."""
+    """The peers section's table is peers_h200.json's (the four trainers side by side on one
+    H200), its ratios and the README's row are that file's, the H100 runs' figures are theirs, and
+    what stopped flow_grpo's and DiffusionNFT's scripts on the first H100 is in its logs."""
     shown = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    history = re.sub(r"\s+", " ", (ROOT / "benchmark" / "HISTORY.md").read_text())
+    stored = json.loads((ROOT / "benchmark" / "results" / "peers_h200.json").read_text())
+    assert stored["device"] == "NVIDIA H200" and stored["work"]["iterations"] == 5
+    ours = stored["ours"]["seconds_per_iteration"]
+    names = {"flow_grpo": "flow_grpo (Flow-GRPO)", "diffusionnft": "DiffusionNFT",
+             "flow_factory": "Flow-Factory's CRD", "ours": "crd.py"}
+    algorithm = {peer: stored["unmatched"][peer][0] for peer in ("flow_grpo", "diffusionnft")}
+    assert {row["setting"] for row in algorithm.values()} == {"algorithm"}
+    rows_in = lambda text: re.search(r"\((\d) rows?\)$", text).group(1)
+    no_grad_rows = {"ours": rows_in(algorithm["flow_grpo"]["ours"]),
+                    **{peer: rows_in(row["theirs"]) for peer, row in algorithm.items()}}
+    no_grad_rows["flow_factory"] = no_grad_rows["ours"]  # the same algorithm
+    for trainer, name in names.items():
+        result = stored[trainer]
+        assert result["returncode"] == 0 and len(result["iterations_s"]) == 5
+        steady = result["iterations_s"][1:]
+        bold = "**" if trainer == "ours" else ""
+        row = (f"| {name} | {no_grad_rows[trainer]} | "
+               f"{bold}{result['seconds_per_iteration']:.2f}{bold} "
+               f"({min(steady):.2f}–{max(steady):.2f}) | {bold}{result['train_images_per_s']:.2f}"
+               f"{bold} | {result['split']['rollout_s']:.2f} s | {result['split']['train_s']:.2f} s"
+               f" | {result['peak_memory_gib']:.1f} |")
+        assert row in shown, row
+        if trainer != "ours":
+            ratio = f"{result['seconds_per_iteration'] / ours:.1f}×"
+            assert f"**{ratio}**" in shown and ratio in readme
+            assert f"{result['seconds_per_iteration']:.2f} s" in readme
     for name, iterations in (("peers_h100.json", 6), ("peers_h100_three_peers_first_call.json", 5)):
         stored = json.loads((ROOT / "benchmark" / "results" / name).read_text())
         ff, ours = stored["flow_factory"], stored["ours"]
@@ -376,16 +405,16 @@ def test_results_md_gives_the_peers_figures_from_their_files():
         for trainer in (ff, ours):
             assert trainer["returncode"] == 0 and len(trainer["iterations_s"]) == iterations
             steady = trainer["iterations_s"][1:]
-            assert f"{min(steady):.2f}–{max(steady):.2f} s" in shown or \
-                f"{min(steady):.1f}–{max(steady):.1f} s" in shown
+            assert f"{min(steady):.2f}–{max(steady):.2f} s" in history or \
+                f"{min(steady):.1f}–{max(steady):.1f} s" in history
+            assert f"{trainer['seconds_per_iteration']:.2f} s" in shown
         ratio = ff["seconds_per_iteration"] / ours["seconds_per_iteration"]
-        assert f"{ratio:.1f}×" in shown and f"{ours['seconds_per_iteration']:.2f} s" in shown
+        assert f"**{ratio:.1f}×**" in shown and f"{ratio:.1f}×" in readme
     first_call = json.loads(
         (ROOT / "benchmark" / "results" / "peers_h100_three_peers_first_call.json").read_text())
     assert "'SD3Transformer2DModel' object has no attribute 'module'" in \
         first_call["flow_grpo"]["log_tail"]
     assert "Got unsupported ScalarType BFloat16" in first_call["diffusionnft"]["log_tail"]
-    assert "flow_grpo and DiffusionNFT: not measured on a GPU." in shown
 
 
 def test_rec_width_reads_the_same_images_at_each_width_and_counts_what_differs(tmp_path):
