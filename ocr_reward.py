@@ -126,6 +126,43 @@ def _score_texts(texts: list[str], targets: list[str]) -> tuple[np.ndarray, list
     return np.array([ocr_score(t, g) for t, g in zip(texts, targets)], dtype=np.float32), texts
 
 
+OCR_ENGINES = ("onnxruntime", "openvino")
+
+
+class OpenVinoSession:
+    """A RapidOCR session whose call, `session(batch) -> [output]`, OpenVINO runs; its other
+    methods (the recogniser asks for its character list) are the ONNX Runtime session's."""
+
+    def __init__(self, session, compiled):
+        self.session, self.compiled = session, compiled
+
+    def __call__(self, batch: np.ndarray) -> list[np.ndarray]:
+        return [self.compiled(batch)[0]]
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def run_with_openvino(engine, threads: int = -1, precision: str | None = "f32") -> dict:
+    """Run a RapidOCR engine's detection and recognition models, the same ONNX files, with
+    OpenVINO on the CPU; returns each one's inference precision. float32 by default: OpenVINO's
+    own default is bfloat16 on a CPU with AMX, which reads hard images differently."""
+    import openvino
+
+    core = openvino.Core()
+    config = {"INFERENCE_NUM_THREADS": threads} if threads > 0 else {}
+    if precision:
+        config["INFERENCE_PRECISION_HINT"] = precision
+    compiled = {}
+    for name, holder, attribute in (("det", engine.text_det, "infer"),
+                                    ("rec", engine.text_rec, "session")):
+        session = getattr(holder, attribute)
+        model = core.compile_model(session.session._model_path, "CPU", config)
+        setattr(holder, attribute, OpenVinoSession(session, model))
+        compiled[name] = model.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+    return compiled
+
+
 class PaddleScorer:
     """PP-OCR (det + rec ONNX models shipped in the rapidocr wheel) on CPU: Flow-GRPO's original
     metric.
@@ -135,15 +172,20 @@ class PaddleScorer:
     classifier, and PaddleOCR 2.x's detector defaults (tools/infer/utility.py: det_limit_side_len
     960, det_limit_type "max"), which leave images smaller than 960 pixels at their size. RapidOCR's
     own defaults would run the classifier and upscale every image to 736 pixels on its short side
-    (8x the reading time of a 128-pixel image, 2x at 512). threads: ONNX Runtime threads per engine
-    (-1: every core).
+    (8x the reading time of a 128-pixel image, 2x at 512). threads: the engine's threads (-1: every
+    core). engine: "onnxruntime" runs the ONNX models as RapidOCR does; "openvino" runs the same
+    files with OpenVINO at float32 (see run_with_openvino).
     """
 
-    def __init__(self, threads: int = -1):
+    def __init__(self, threads: int = -1, engine: str = "onnxruntime"):
         from rapidocr_onnxruntime import RapidOCR
 
+        if engine not in OCR_ENGINES:
+            raise ValueError(f"PP-OCR engine {engine!r}: one of {', '.join(OCR_ENGINES)}")
         self.engine = RapidOCR(use_cls=False, det_limit_side_len=960, det_limit_type="max",
                                intra_op_num_threads=threads, inter_op_num_threads=threads)
+        if engine == "openvino":
+            run_with_openvino(self.engine, threads)
         # one engine, shared by threads (the test OCR server calls it concurrently)
         self.lock = threading.Lock()
 

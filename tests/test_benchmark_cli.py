@@ -432,6 +432,29 @@ def test_rec_width_reads_the_same_images_at_each_width_and_counts_what_differs(t
     assert len(result.stdout.splitlines()) == 4
 
 
+def test_ocr_engine_reads_the_same_images_with_each_engine_and_counts_what_differs(tmp_path):
+    """The real PP-OCR models on one stored grid's 16 tiles and 4 renders, with ONNX Runtime and
+    OpenVINO: at float32 OpenVINO reads each as ONNX Runtime does; at its default precision it
+    says which it compiled."""
+    out = tmp_path / "ocr_engine.json"
+    result = run("benchmark/ocr_proxy/ocr_engine.py", "--renders", 4,
+                 "--grids", "benchmark/results/ocr_proxy_grid_base.png", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["images"] == {"grid_tiles": 16, "renders": 4}
+    for name, count in report["images"].items():
+        assert report[name]["onnxruntime"]["differ"] == report[name]["openvino-f32"]["differ"] == 0
+        assert 0 <= report[name]["openvino-default"]["differ"] <= count
+        assert all(report[name][engine]["cpu_ms_per_read"] > 0 for engine in report["engines"])
+    precision = report["openvino-default"]["inference_precision"]
+    assert precision["det"] == precision["rec"] in ("f32", "bf16", "f16")
+    assert len(result.stdout.splitlines()) == 6
+    bad = run("benchmark/ocr_proxy/ocr_engine.py", "--engines", "tensorrt")
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1] == (
+        "ocr_engine.py: error: --engines tensorrt: one of onnxruntime, openvino-f32, "
+        "openvino-default")
+
+
 def test_ocr_proxy_docs_give_the_recognition_widths_figures_from_their_file():
     stored = json.loads((ROOT / "benchmark/results/ocr_proxy_rec_width_cpu.json").read_text())
     tiles, renders = stored["grid_tiles"], stored["renders"]

@@ -13,6 +13,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from benchmark.ocr_proxy import pretrain
@@ -127,6 +128,37 @@ def test_the_pool_server_gives_the_trainers_vllm_client_the_paddle_scores():
         pool.close()
     assert scores.tolist() == expected[0].tolist() and texts == expected[1]
     assert blind[0].tolist() == [0.0, 0.0, 0.0] and blind[1] == ["", "", ""]  # the KL-only control's reward
+
+
+def test_a_pool_on_openvino_reads_the_proxy_s_grids_as_onnx_runtime_does():
+    """--ocr-engine openvino: the same PP-OCR models at float32 give every transcription and score
+    of ONNX Runtime's, on hard images (a stored validation grid's tiles: the proxy's own outputs)
+    and on renders; and its workers do run OpenVINO."""
+    grid = Image.open(ROOT / "benchmark" / "results" / "ocr_proxy_grid_base.png").convert("RGB")
+    row = grid.height // 4
+    tiles = [np.asarray(grid.crop((x * 128, y * row, x * 128 + 128, y * row + 128)))
+             for y in range(4) for x in range(4)]
+    task = Task()
+    words = split_words(task, seed=0)["test"][:4]
+    images = np.stack(tiles + [np.asarray(render(w, task)) for w in words])
+    targets = words * 5
+    expected = OcrPool(0).score(images, targets)
+    pool = OcrPool(2, engine="openvino")
+    try:
+        session = pool.pool.apply_async(_recogniser_session).get(timeout=120)
+        scores, texts = pool.score(images, targets)
+    finally:
+        pool.close()
+    assert session == "OpenVinoSession"
+    assert texts == expected[1] and scores.tolist() == expected[0].tolist()
+    assert sum(text == word for text, word in zip(texts[16:], words)) == 4
+    assert len({text for text in texts[:16]}) > 4  # tiles that read differently from one another
+
+
+def _recogniser_session() -> str:
+    from benchmark.ocr_proxy import ocr_pool
+
+    return type(ocr_pool._scorer.engine.text_rec.session).__name__
 
 
 def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(tmp_path):
@@ -382,6 +414,7 @@ def test_the_sweep_choice_keeps_the_default_unless_a_second_half_gain_clears_its
     (dict(pretrain=dict(task=Task(font_size=0))), "--task.font-size 0: must be at least 1"),
     (dict(pretrain=dict(prompt_dropout=2.0)), "--prompt-dropout 2: must be a finite number in [0, 1]"),
     (dict(pretrain=dict(learning_rate=float("nan"))), "--learning-rate nan: must be a finite number > 0"),
+    (dict(ocr_engine="openvino", scorer="paddle"), "--ocr-engine openvino: the pool's runtime (--scorer pool)"),
     (dict(seeds=[-1]), "--seed -1: must be at least 0"),  # the trainers' check of every seed
     (dict(prompts_per_rank=0), "--prompts-per-rank 0: must be at least 1"),
     (dict(train_batch_size=7), "--train-batch-size 7 must be a multiple of --group-size 6 that divides the 48 images"),

@@ -29,9 +29,9 @@ from ocr_reward import PaddleScorer, ocr_score
 _scorer = None  # each worker process's engine
 
 
-def _start_worker():
+def _start_worker(engine: str):
     global _scorer
-    _scorer = PaddleScorer(threads=1)  # one engine per process: the pool gives the parallelism
+    _scorer = PaddleScorer(threads=1, engine=engine)  # one a process: the pool is the parallelism
 
 
 def _read(image: np.ndarray) -> str:
@@ -49,9 +49,10 @@ class OcrPool:
 
     Forked workers: create the pool before CUDA is initialised. opencv_threads: OpenCV's threads in each worker
     (None: this process's, by default a thread a core, which took a third of each read's CPU time on 16 cores).
+    engine: PaddleScorer's (onnxruntime, or openvino: the same models at float32).
     """
 
-    def __init__(self, workers: int, opencv_threads: int | None = 1):
+    def __init__(self, workers: int, opencv_threads: int | None = 1, engine: str = "onnxruntime"):
         self.pool = None
         if workers:
             # set here, where OpenCV's threads exist, for the workers to inherit: a forked worker that
@@ -59,11 +60,12 @@ class OcrPool:
             previous = cv2.getNumThreads()
             cv2.setNumThreads(previous if opencv_threads is None else opencv_threads)
             try:
-                self.pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker)
+                self.pool = multiprocessing.get_context("fork").Pool(workers, initializer=_start_worker,
+                                                                     initargs=(engine,))
             finally:
                 cv2.setNumThreads(previous)
         else:
-            _start_worker()
+            _start_worker(engine)
 
     def score(self, images: np.ndarray, targets: list[str]) -> tuple[np.ndarray, list[str]]:
         items = list(zip(images, targets))

@@ -39,7 +39,7 @@ recipe's CFG 4.5, which guides such a policy a second time; the final scores inc
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import os
 import re
@@ -126,6 +126,9 @@ class Args:
     same reads and scores as `--reward paddle`, in parallel); paddle: `--reward paddle`, one engine per trainer"""
     ocr_workers: int = 0
     """PP-OCR engines of the pool (0: three fifths of the cores, the reads' share of the CPU)"""
+    ocr_engine: Literal["onnxruntime", "openvino"] = "onnxruntime"
+    """the pool's PP-OCR runtime: onnxruntime, or openvino (the same models at float32, reads cheaper
+    on the CPU; ocr_engine.py compares their reads)"""
     trainer_threads: int = 1
     """CPU threads of each trainer's torch (OMP_NUM_THREADS; 0: torch's default, every core): a
     15.5M-parameter model's CPU work is kernel launches, and many trainers share the cores"""
@@ -185,6 +188,10 @@ def check_args(args: Args) -> None:
         runs |= named
     if args.trainer_threads < 0:
         fail(f"--trainer-threads {args.trainer_threads}: 0 (torch's default) or more")
+    if args.ocr_engine != "onnxruntime" and args.scorer != "pool":
+        fail(f"--ocr-engine {args.ocr_engine}: the pool's runtime (--scorer pool)")
+    if args.ocr_engine == "openvino" and importlib.util.find_spec("openvino") is None:
+        fail("--ocr-engine openvino: the openvino package is not installed (pip install openvino)")
     if args.kl_only_control and args.scorer != "pool":
         fail("--kl-only-control: the reward that reads no text is served by the pool (--scorer pool)")
     if args.kl_only_control and any(variant_name(v.split("=", 1)[0])[1] == KL_ONLY for v in args.variants):
@@ -451,7 +458,7 @@ def main(args: Args) -> dict:
     arguments, jobs = plan(args)
     cores = sorted(os.sched_getaffinity(0))
     workers = args.ocr_workers or max(1, round(len(cores) * 3 / 5))
-    pool = OcrPool(workers) if args.scorer == "pool" else None
+    pool = OcrPool(workers, engine=args.ocr_engine) if args.scorer == "pool" else None
     model = pretrain.pretrain(args.pretrain)  # forks its own PP-OCR pool before this process touches CUDA
     report["phases_s"]["pretrain"] = time.perf_counter() - started
     proxy = json.loads((model / "proxy.json").read_text())
