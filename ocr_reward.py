@@ -143,24 +143,20 @@ class OpenVinoSession:
         return getattr(self.session, name)
 
 
-def run_with_openvino(engine, threads: int = -1, precision: str | None = "f32") -> dict:
+def run_with_openvino(engine, threads: int = -1, precision: str | None = "f32") -> None:
     """Run a RapidOCR engine's detection and recognition models, the same ONNX files, with
-    OpenVINO on the CPU; returns each one's inference precision. float32 by default: OpenVINO's
-    own default is bfloat16 on a CPU with AMX, which reads hard images differently."""
+    OpenVINO on the CPU. float32 by default: OpenVINO's own default is bfloat16 on a CPU with AMX,
+    which reads hard images differently."""
     import openvino
 
     core = openvino.Core()
     config = {"INFERENCE_NUM_THREADS": threads} if threads > 0 else {}
     if precision:
         config["INFERENCE_PRECISION_HINT"] = precision
-    compiled = {}
-    for name, holder, attribute in (("det", engine.text_det, "infer"),
-                                    ("rec", engine.text_rec, "session")):
+    for holder, attribute in ((engine.text_det, "infer"), (engine.text_rec, "session")):
         session = getattr(holder, attribute)
         model = core.compile_model(session.session._model_path, "CPU", config)
         setattr(holder, attribute, OpenVinoSession(session, model))
-        compiled[name] = model.get_property("INFERENCE_PRECISION_HINT").get_type_name()
-    return compiled
 
 
 class PaddleScorer:

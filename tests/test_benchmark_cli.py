@@ -469,3 +469,32 @@ def test_ocr_proxy_docs_give_the_recognition_widths_figures_from_their_file():
     results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
     assert f"{tiles['48']['differ']} of 320 hard tiles read differently" in results
     assert tiles["320"]["cpu_ms_per_read"] / tiles["48"]["cpu_ms_per_read"] > 1.9  # "2×"
+
+
+def test_ocr_proxy_docs_give_the_openvino_figures_from_their_file():
+    stored = json.loads((ROOT / "benchmark/results/ocr_proxy_ocr_engine_cpu.json").read_text())
+    tiles, renders = stored["grid_tiles"], stored["renders"]
+    assert stored["images"] == {"grid_tiles": 320, "renders": 200} and stored["cores"] == 2
+    assert "amx_bf16" in stored["cpu_flags"] and "Xeon" in stored["cpu"]
+    assert stored["openvino-f32"]["inference_precision"] == {"det": "f32", "rec": "f32"}
+    assert stored["openvino-default"]["inference_precision"] == {"det": "bf16", "rec": "bf16"}
+    assert tiles["openvino-f32"]["differ"] == renders["openvino-f32"]["differ"] == 0
+    shown = re.sub(r"\s+", " ", (ROOT / "docs" / "ocr-proxy.md").read_text())
+    ms = lambda reads, engine: reads[engine]["cpu_ms_per_read"]
+    assert (f"at {ms(tiles, 'openvino-f32')} and {ms(renders, 'openvino-f32')} ms a read against "
+            f"{ms(tiles, 'onnxruntime')} and {ms(renders, 'onnxruntime')} (1.5× cheaper; one core "
+            f"of a 2-core Xeon with AMX") in shown
+    assert (f"a read took {ms(tiles, 'openvino-default')} ms but "
+            f"{tiles['openvino-default']['differ']} of the 320 tiles read differently") in shown
+    speedups = [ms(reads, "onnxruntime") / ms(reads, "openvino-f32") for reads in (tiles, renders)]
+    assert all(1.45 < speedup < 1.55 for speedup in speedups), speedups  # "1.5×"
+    compiled = json.loads((ROOT / "benchmark/results/ocr_proxy_compile_speed_h100.json").read_text())
+    cpu = compiled["call_2_warm_caches"]["compiled"]["per_run_iteration_cpu_s"]
+    reads = cpu["ocr_pool"] / min(speedups)
+    bound = 16 / (reads + cpu["trainers"] + cpu["driver"])
+    assert (f"({reads:.2f} core-seconds a run-iteration), compiled trainers and the driver would be "
+            f"bound near 16 / ({reads:.2f} + {cpu['trainers']:.2f} + {cpu['driver']:.2f}) ≈ "
+            f"{bound:.1f} run-iterations a second, just short of the 6.75") in shown
+    assert bound < 6.75
+    results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    assert "the same 520 reads, 1.5× cheaper" in results

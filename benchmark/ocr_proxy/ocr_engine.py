@@ -52,13 +52,19 @@ class Args:
 
 def scorer(engine: str) -> tuple[PaddleScorer, dict]:
     """A single-threaded PaddleScorer reading with `engine`, and how OpenVINO compiled it."""
-    if engine != "openvino-default":
-        return PaddleScorer(threads=1, engine=engine.removesuffix("-f32")), {}
+    if engine == "onnxruntime":
+        return PaddleScorer(threads=1), {}
+    if engine == "openvino-f32":
+        reader = PaddleScorer(threads=1, engine="openvino")
+    else:
+        reader = PaddleScorer(threads=1)
+        run_with_openvino(reader.engine, threads=1, precision=None)
     import openvino
 
-    reader = PaddleScorer(threads=1)
-    compiled = run_with_openvino(reader.engine, threads=1, precision=None)
-    return reader, {"openvino": openvino.__version__, "inference_precision": compiled}
+    sessions = {"det": reader.engine.text_det.infer, "rec": reader.engine.text_rec.session}
+    precision = {name: session.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+                 for name, session in sessions.items()}
+    return reader, {"openvino": openvino.__version__, "inference_precision": precision}
 
 
 def read_all(readers: dict, images: list[Image.Image]) -> dict:
