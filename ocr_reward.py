@@ -7,7 +7,7 @@ A scorer maps images and their target strings to scores in [0, 1] and the transc
     scorer = make_scorer("paddle")           # or "qwen-vl", "vllm", "brightness", ...
     scores, texts = scorer(images, targets)  # (B, H, W, 3) uint8 or PILs -> (B,) float32, B texts
 This module holds no loss and no advantage formula: it is part of the "environment". Heavy libraries
-(torch, transformers, rapidocr, requests) are imported only when a scorer is built.
+(torch, transformers, rapidocr, openvino, requests) are imported only when a scorer is built.
 """
 
 from __future__ import annotations

@@ -5,13 +5,12 @@ proxy's runs side by side are bound by PP-OCR reads on the CPU; OpenVINO runs th
 
 Each engine reads the same images, one thread, as a pool worker does: the tiles of the validation
 grids stored in benchmark/results (the proxy's own outputs, many of them hard to read) and noisy
-renders of random codes. `onnxruntime` is ocr_reward.PaddleScorer as the proxy runs it; `openvino-f32`
-is PaddleScorer(engine="openvino"), the same ONNX files compiled by OpenVINO for the CPU at float32;
-`openvino-default` at OpenVINO's default precision (bfloat16 on a CPU with AMX), as rapidocr-openvino
-leaves it. It reports the CPU time a read (the process's, every
-thread; the engines take turns image by image) and how many transcriptions differ from ONNX
-Runtime's: the reward is a function of the transcription, so a reward that reads differently is
-another reward.
+renders of random codes. `onnxruntime` is ocr_reward.PaddleScorer as the proxy runs it;
+`openvino-f32` is PaddleScorer(engine="openvino"), the same ONNX files compiled by OpenVINO for the
+CPU at float32; `openvino-default` at OpenVINO's default precision (bfloat16 on a CPU with AMX), as
+rapidocr-openvino leaves it. It reports the CPU time a read (the process's, every thread; the
+engines take turns image by image) and how many transcriptions differ from ONNX Runtime's: the
+reward is a function of the transcription, so a reward that reads differently is another reward.
 """
 
 from __future__ import annotations
@@ -93,7 +92,8 @@ def cpu_flags() -> list[str]:
 
 def main(args: Args) -> dict:
     if unknown := [engine for engine in args.engines if engine not in ENGINES]:
-        raise SystemExit(f"ocr_engine.py: error: --engines {unknown[0]}: one of {', '.join(ENGINES)}")
+        raise SystemExit(f"ocr_engine.py: error: --engines {unknown[0]}: one of "
+                         f"{', '.join(ENGINES)}")
     arrays, _ = noisy_renders(args.renders, args.noise)
     sets = {"grid_tiles": grid_tiles(args.grids),
             "renders": [Image.fromarray(array) for array in arrays]}
