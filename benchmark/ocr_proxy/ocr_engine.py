@@ -28,7 +28,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmark.ocr_proxy.pool_speed import noisy_renders  # noqa: E402
-from benchmark.ocr_proxy.rec_width import cpu_model, grid_tiles  # noqa: E402
+from benchmark.ocr_proxy.rec_width import cpu_model, grid_tiles, tally  # noqa: E402
 from ocr_reward import PaddleScorer, run_with_openvino  # noqa: E402
 
 ENGINES = ("onnxruntime", "openvino-f32", "openvino-default")
@@ -106,14 +106,10 @@ def main(args: Args) -> dict:
         if compiled:
             report[engine] = compiled
     for name, images in sets.items():
-        reads = read_all(readers, images)
-        first, _ = reads[args.engines[0]]
-        for engine, (texts, cpu_s) in reads.items():
-            differ = sum(a != b for a, b in zip(texts, first))
-            report.setdefault(name, {})[engine] = {"cpu_ms_per_read": round(1000 * cpu_s, 1),
-                                                   "differ": differ}
-            print(f"{name}, {engine}: {1000 * cpu_s:.1f} ms a read, {differ} of {len(images)} "
-                  f"transcriptions differ from {args.engines[0]}'s", flush=True)
+        report[name] = tally(read_all(readers, images))
+        for engine, row in report[name].items():
+            print(f"{name}, {engine}: {row['cpu_ms_per_read']:.1f} ms a read, {row['differ']} of "
+                  f"{len(images)} transcriptions differ from {args.engines[0]}'s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report

@@ -78,6 +78,15 @@ def read_all(width: int, images: list[Image.Image]) -> tuple[list[str], float]:
     return texts, (time.process_time() - started) / len(images)
 
 
+def tally(reads: dict) -> dict:
+    """For each setting's (transcriptions, CPU seconds a read), the CPU milliseconds a read and how
+    many transcriptions differ from the first setting's."""
+    first, _ = next(iter(reads.values()))
+    return {str(key): {"cpu_ms_per_read": round(1000 * cpu_s, 1),
+                       "differ": sum(a != b for a, b in zip(texts, first))}
+            for key, (texts, cpu_s) in reads.items()}
+
+
 def main(args: Args) -> dict:
     arrays, _ = noisy_renders(args.renders, args.noise)
     sets = {"grid_tiles": grid_tiles(args.grids),
@@ -86,14 +95,10 @@ def main(args: Args) -> dict:
               "widths": args.widths, "noise": args.noise,
               "images": {name: len(images) for name, images in sets.items()}}
     for name, images in sets.items():
-        reads = {width: read_all(width, images) for width in args.widths}
-        first, _ = reads[args.widths[0]]
-        for width, (texts, cpu_s) in reads.items():
-            differ = sum(a != b for a, b in zip(texts, first))
-            report.setdefault(name, {})[str(width)] = {"cpu_ms_per_read": round(1000 * cpu_s, 1),
-                                                       "differ": differ}
-            print(f"{name}, width {width}: {1000 * cpu_s:.1f} ms a read, {differ} of "
-                  f"{len(images)} transcriptions differ from width {args.widths[0]}'s", flush=True)
+        report[name] = tally({width: read_all(width, images) for width in args.widths})
+        for width, row in report[name].items():
+            print(f"{name}, width {width}: {row['cpu_ms_per_read']:.1f} ms a read, {row['differ']} "
+                  f"of {len(images)} transcriptions differ from width {args.widths[0]}'s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report
