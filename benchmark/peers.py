@@ -511,7 +511,7 @@ def kept_results(cli, report) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     for peer, repository in (("flow_factory", "X-GenGroup/Flow-Factory"),
                              ("flow_grpo", "yifan123/flow_grpo"),
                              ("diffusionnft", "NVlabs/DiffusionNFT")):

@@ -95,7 +95,7 @@ def run_start(name, caches, workdir, iterations, trainer):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--iterations", type=int, default=RECIPE_ITERATIONS,
                         help="iterations of each start (the recipe's: 100)")
     parser.add_argument("--starts", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])

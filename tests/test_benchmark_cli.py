@@ -498,3 +498,13 @@ def test_ocr_proxy_docs_give_the_openvino_figures_from_their_file():
     assert bound < 6.75
     results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
     assert "the same 520 reads, 1.5× cheaper" in results
+
+
+@pytest.mark.parametrize("script", ["benchmark/peers.py", "benchmark/wall_clock.py"])
+def test_help_gives_the_docstring_s_whole_first_paragraph(script):
+    """The docstrings' first sentences run over two lines: --help shows them whole."""
+    result = run(script, "--help", env={"COLUMNS": "400"})  # no line breaks inside a word
+    assert result.returncode == 0, result.stderr[-2000:]
+    doc = (ROOT / script).read_text().split('"""')[1]
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    assert paragraph.endswith(".") and paragraph in " ".join(result.stdout.split())
