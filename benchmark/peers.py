@@ -35,8 +35,8 @@ learning rate and snapshot schedules (benchmark/peers/flow_factory_crd.yaml, its
 in); flow_grpo and DiffusionNFT run their own algorithms with their OCR recipes' settings
 (config/grpo.py's general_ocr_sd3_1gpu, config/nft.py's sd3_ocr). What each does differently from
 ours is the report's `unmatched` (each setting, each side, and what it affects); where the work
-departs from a peer's recipe, its `changed_from_recipe` says so. The peers run first, so that a
-package one lacks stops the call before ours runs.
+departs from a peer's recipe, its `changed_from_recipe` says so. The trainers run in --trainers'
+order; by default the peers first, so that a package one lacks stops the call before ours runs.
 
 Each trainer runs --iterations iterations. Seconds an iteration are the median over all but the
 first (warm-up, compile); training images a second are the images of an iteration over it; the
