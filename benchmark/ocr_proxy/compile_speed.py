@@ -1,7 +1,8 @@
 """The OCR proxy's runs side by side, eager (the driver's --no-compile) and then compiled (the
 trainers' --compile: the transformer blocks and the VAE decoder), on one GPU and the same pretrained
 base: run-iterations a second, each run's steady iteration, and what the runs used of the machine
-(run_benchmark's `usage`).
+(run_benchmark's `usage`). The `-openvino` settings run the same with the PP-OCR pool on OpenVINO
+(run_benchmark's --ocr-engine openvino) instead of ONNX Runtime.
 
     python benchmark/ocr_proxy/compile_speed.py --out compile_speed.json --bench.out /tmp/cs
 
@@ -33,15 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy import pretrain, run_benchmark  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-# given after the driver's own --no-compile: the last flag wins
-SETTINGS = {"eager": "", "compiled": "--compile"}
+# (trainer flag given after the driver's own --no-compile, so the last flag wins; the pool's engine)
+SETTINGS = {"eager": ("", "onnxruntime"), "compiled": ("--compile", "onnxruntime"),
+            "eager-openvino": ("", "openvino"), "compiled-openvino": ("--compile", "openvino")}
 
 
 @dataclass
 class Args:
     out: str
     """the report (JSON), written after each setting"""
-    settings: list[Literal["eager", "compiled"]] = field(default_factory=lambda: list(SETTINGS))
+    settings: list[Literal["eager", "compiled", "eager-openvino", "compiled-openvino"]] = field(
+        default_factory=lambda: ["eager", "compiled"])
     """the settings timed, one after the other"""
     skip: int = 5
     """first iterations of each run left out of its steady iteration"""
@@ -70,9 +73,10 @@ def steady(run_dir: Path, skip: int) -> dict:
 
 
 def run_setting(args: Args, name: str) -> dict:
-    limit_s = args.bench.time_limit_s + (args.compile_s if name == "compiled" else 0)
+    flag, engine = SETTINGS[name]
+    limit_s = args.bench.time_limit_s + (args.compile_s if flag else 0)
     bench = replace(args.bench, out=str(Path(args.bench.out) / name), time_limit_s=limit_s,
-                    trainer_args=f"{SETTINGS[name]} {args.bench.trainer_args}".strip())
+                    trainer_args=f"{flag} {args.bench.trainer_args}".strip(), ocr_engine=engine)
     began = time.perf_counter()
     report = run_benchmark.main(bench)
     runs = {run: {**steady(Path(bench.out) / "runs" / run, args.skip),
@@ -80,7 +84,7 @@ def run_setting(args: Args, name: str) -> dict:
             for run in report["return_codes"]}
     medians = [r["median_iteration_s"] for r in runs.values() if r["median_iteration_s"]]
     run_iterations = sum(r["iterations"] for r in runs.values())
-    return {"trainer_args": bench.trainer_args, "time_limit_s": limit_s,
+    return {"trainer_args": bench.trainer_args, "ocr_engine": engine, "time_limit_s": limit_s,
             "wall_s": time.perf_counter() - began, "phases_s": report["phases_s"], "runs": runs,
             "run_iterations": run_iterations,
             "run_iterations_per_s_of_rl": run_iterations / report["phases_s"]["rl"],
