@@ -284,14 +284,15 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
 @pytest.mark.long
 def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_path):
     """--resume: a benchmark that ended after 1 of its iterations (as --time-limit-s ends one) goes on from each run's
-    checkpoint to the curves and adapters of a benchmark that ran straight through."""
+    checkpoint to the curves and adapters of a benchmark that ran straight through. The pool reads on OpenVINO
+    (--ocr-engine openvino), so that the driver runs end to end on it too."""
     from benchmark.ocr_proxy import run_benchmark
 
     def bench(out, iterations, resume=False):
         args = run_benchmark.Args(out=str(tmp_path / out), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                                   iterations=iterations, eval_every=1, eval_prompts=2, eval_split="validation",
                                   ocr_workers=1, prompts_per_rank=2, group_size=2, train_batch_size=2,
-                                  algorithms=["crd"], final_scores=False, resume=resume,
+                                  algorithms=["crd"], final_scores=False, resume=resume, ocr_engine="openvino",
                                   # a guided KL anchor moves the adapters where every reward is 0
                                   trainer_args="--num-steps 3 --num-train-timesteps 1 --kl-cfg 4.5")
         return run_benchmark.main(args)
@@ -300,6 +301,7 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
     bench("stopped", 1)
     resumed = bench("stopped", 2, resume=True)
     assert resumed["return_codes"] == {"crd_seed3": 0} and resumed["failed"] == []
+    assert resumed["args"]["ocr_engine"] == "openvino"
     for tag in ("train/reward_mean", *run_benchmark.HELD_OUT_TAGS):
         curves = [run_benchmark.scalars(tmp_path / out / "runs" / "crd_seed3", tag) for out in ("straight", "stopped")]
         assert curves[0] == curves[1]
