@@ -107,8 +107,10 @@ def main():
                        "full-size recipe; --tiny times README's demo on the CPU\n")
     trainer = TINY if cli.tiny else TRAINER
     device = "cpu" if cli.tiny else torch.cuda.get_device_name()
-    report = {"device": device, "torch": torch.__version__, "trainer": trainer,
-              "iterations": cli.iterations}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or None
+    report = {"device": device, "commit": commit, "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__, "trainer": trainer, "iterations": cli.iterations}
     with tempfile.TemporaryDirectory() as workdir:
         workdir = Path(workdir)
         for start in cli.starts:

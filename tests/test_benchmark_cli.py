@@ -40,6 +40,24 @@ def test_wall_clock_on_a_machine_without_a_gpu_is_one_line(tmp_path):
     assert not out.exists()
 
 
+def test_wall_clock_times_readmes_demo_from_launch_to_summary_and_labels_its_commit(tmp_path):
+    """wall_clock.py --tiny, one cold start of README's demo on the CPU: the split comes from the
+    run's own TensorBoard events (validations at 0 and at the last iteration, one checkpoint)."""
+    out = tmp_path / "wall_clock.json"
+    result = run("benchmark/wall_clock.py", "--tiny", "--iterations", 2, "--starts", "cold",
+                 "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or None
+    assert (report["device"], report["commit"], report["iterations"]) == ("cpu", head, 2)
+    cold = report["cold"]
+    assert cold["returncode"] == 0 and cold["completed"] and cold["iterations"] == 2
+    assert sorted(cold["validations_s"]) == ["0", "2"] and cold["checkpoints"] == 1
+    assert 0 < cold["startup_s"] < cold["wall_s"] and cold["training_s"] > 0
+    assert cold["whole_recipe"]["measured"] is False and cold["whole_recipe"]["iterations"] == 100
+
+
 def test_peers_on_a_machine_without_a_gpu_is_one_line(tmp_path):
     out = tmp_path / "peers.json"
     result = run("benchmark/peers.py", "--flow-factory", tmp_path, "--out", out,
