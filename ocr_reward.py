@@ -150,7 +150,11 @@ def run_with_openvino(engine, threads: int = -1, precision: str | None = "f32") 
     import openvino
 
     core = openvino.Core()
-    config = {"INFERENCE_NUM_THREADS": threads} if threads > 0 else {}
+    # unpinned: each process would pin its inference threads to the first cores, so that a pool's
+    # single-threaded engines (one a process) would all run on one core
+    config = {"ENABLE_CPU_PINNING": False}
+    if threads > 0:
+        config["INFERENCE_NUM_THREADS"] = threads
     if precision:
         config["INFERENCE_PRECISION_HINT"] = precision
     for holder, attribute in ((engine.text_det, "infer"), (engine.text_rec, "session")):

@@ -4,7 +4,8 @@ random codes (the same images for every setting), and how far each setting's rea
     python benchmark/ocr_proxy/pool_speed.py --workers 10 --out pool_speed.json
     python benchmark/ocr_proxy/pool_speed.py --split --settings cpu:1          # where a read's CPU time goes
 
-A setting is `cpu:N` (OcrPool: --workers processes, each with N OpenCV threads; -1: OpenCV's default). The pool
+A setting is `cpu:N` (OcrPool: --workers processes, each with N OpenCV threads; -1: OpenCV's
+default), or `openvino:N`, the same with the workers' networks on OpenVINO (engine="openvino"). The pool
 is forked after torch is imported, as run_benchmark.py forks it. A setting's CPU time is its workers' (user +
 system, from /proc) over its timed reads. The renders carry Gaussian noise at each --noise level, so that some
 reads are hard.
@@ -41,7 +42,8 @@ class Args:
     noise: list[float] = field(default_factory=lambda: [25.0])
     """standard deviations of the Gaussian noise added to the renders (0-255), one set of renders each"""
     settings: list[str] = field(default_factory=lambda: ["cpu:-1", "cpu:1"])
-    """the pools to time: cpu:N (N OpenCV threads a worker; -1: OpenCV's default)"""
+    """the pools to time: cpu:N (N OpenCV threads a worker; -1: OpenCV's default), or openvino:N
+    (the same, the networks on OpenVINO)"""
     split: bool = False
     """also time one single-threaded engine's reads (of the first noise level's renders), split into
     its detection network, its recognition network and RapidOCR's steps around them"""
@@ -58,8 +60,9 @@ def noisy_renders(count: int, noise: float) -> tuple[np.ndarray, list[str]]:
 
 
 def make_pool(setting: str, workers: int) -> OcrPool:
-    value = setting.split(":", 1)[1]
-    return OcrPool(workers, None if value == "-1" else int(value))
+    kind, value = setting.split(":", 1)
+    return OcrPool(workers, None if value == "-1" else int(value),
+                   engine="openvino" if kind == "openvino" else "onnxruntime")
 
 
 def measure(setting: str, workers: int, images: np.ndarray, words: list[str]) -> tuple[dict, np.ndarray, list]:
@@ -114,10 +117,12 @@ def split_read(images: np.ndarray) -> dict:
 
 
 def main(args: Args) -> dict:
-    valid = all(s.startswith("cpu:") and s[4:].lstrip("-").isdigit() for s in args.settings)
+    kinds_and_threads = [setting.partition(":")[::2] for setting in args.settings]
+    valid = all(kind in ("cpu", "openvino") and threads.lstrip("-").isdigit()
+                for kind, threads in kinds_and_threads)
     if args.workers < 1 or args.images < 1 or not args.settings or not args.noise or not valid:
         sys.exit("pool_speed.py: error: --workers and --images must be at least 1, --noise names one or more "
-                 "levels, and --settings one or more of cpu:N")
+                 "levels, and --settings one or more of cpu:N or openvino:N")
     result = {"workers": args.workers, "images": args.images, "cores": os.cpu_count(),
               "torch": torch.__version__, "settings": {}}
     for noise in args.noise:
