@@ -342,6 +342,10 @@ def test_results_md_gives_the_wall_clock_s_figures_from_its_file():
                 f"{'the rest ' if name == 'cold' else ''}{start['rest_s']})") in shown
     assert (f"{warm['whole_recipe']['whole_recipe_s']:,.0f} s warm, at most "
             f"{cold['whole_recipe']['whole_recipe_s']:,.0f} s cold") in shown
+    assert stored["commit"] in shown and stored["device"].startswith("NVIDIA H100")
+    earlier = json.loads((ROOT / "benchmark/results/wall_clock_h100_fef9f0e.json").read_text())
+    assert (f"Another H100 ({earlier['commit']}): {earlier['cold']['wall_s']} s cold, "
+            f"{earlier['warm']['wall_s']} s warm") in shown
 
 
 def test_compile_speed_reads_each_run_s_steady_iteration_from_its_events(tmp_path):
@@ -369,15 +373,19 @@ def test_results_md_gives_the_compiled_proxy_runs_figures_from_their_file():
     warm = stored["call_2_warm_caches"]
     compiled, eager = warm["compiled"], warm["eager"]
     shown = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
-    assert (f"6 runs made {compiled['steady_run_iterations_per_s']:.2f} run-iterations/s (steady) "
-            f"against {eager['steady_run_iterations_per_s']:.2f} eager there") in shown
+    history = re.sub(r"\s+", " ", (ROOT / "benchmark" / "HISTORY.md").read_text())
     cpu = {name: setting["per_run_iteration_cpu_s"] for name, setting in warm.items()}
     busy = {name: setting["usage"]["gpu_busy_percent_median"] for name, setting in warm.items()}
+    reads = cpu["compiled"]["ocr_pool"]
+    assert (f"{compiled['steady_run_iterations_per_s']:.2f} run-iterations/s against "
+            f"{eager['steady_run_iterations_per_s']:.2f} eager, the GPU {busy['compiled']:.0f}% busy. "
+            f"The CPU then binds: reads {reads:.2f} core-s a run-iteration, and 6.75 a second allows "
+            f"{16 / 6.75:.2f} in all") in shown
+    assert (f"6 runs made {compiled['steady_run_iterations_per_s']:.2f} run-iterations/s (steady) "
+            f"against {eager['steady_run_iterations_per_s']:.2f} eager there") in history
     assert (f"CPU fell from {cpu['eager']['trainers']:.2f} to "
             f"{cpu['compiled']['trainers']:.2f} core-s a run-iteration, the GPU from "
-            f"{busy['eager']:.0f}% to {busy['compiled']:.0f}% busy") in shown
-    reads = cpu["compiled"]["ocr_pool"]
-    assert f"reads take {reads:.2f} core-s, and 6.75 a second allows {16 / 6.75:.2f}" in shown
+            f"{busy['eager']:.0f}% to {busy['compiled']:.0f}% busy") in history
     assert reads < 16 / 6.75 < reads + cpu["compiled"]["trainers"] and stored["cores"] == 16
     assert compiled["steady_run_iterations_per_s"] / eager["steady_run_iterations_per_s"] < 1.11
 
@@ -506,14 +514,34 @@ def test_ocr_proxy_docs_give_the_openvino_figures_from_their_file():
             f"{tiles['openvino-default']['differ']} of the 320 tiles read differently") in shown
     speedups = [ms(reads, "onnxruntime") / ms(reads, "openvino-f32") for reads in (tiles, renders)]
     assert all(1.45 < speedup < 1.55 for speedup in speedups), speedups  # "1.5×"
-    compiled = json.loads((ROOT / "benchmark/results/ocr_proxy_compile_speed_h100.json").read_text())
-    cpu = compiled["call_2_warm_caches"]["compiled"]["per_run_iteration_cpu_s"]
-    reads = cpu["ocr_pool"] / min(speedups)
+    gpu_machine = json.loads((ROOT / "benchmark/results/ocr_proxy_engine_speed_h100.json").read_text())
+    reads = gpu_machine["reads_one_core"]
+    there = [ms(reads[name], "onnxruntime") / ms(reads[name], "openvino-f32")
+             for name in ("grid_tiles", "renders")]
+    assert reads["grid_tiles"]["openvino-f32"]["differ"] == reads["renders"]["openvino-f32"]["differ"] == 0
+    assert (f"a read took {ms(reads['grid_tiles'], 'openvino-f32')} and "
+            f"{ms(reads['renders'], 'openvino-f32')} ms against {ms(reads['grid_tiles'], 'onnxruntime')} "
+            f"and {ms(reads['renders'], 'onnxruntime')} ({min(there):.2f}× cheaper") in shown
+    pinned, compiled = (gpu_machine["settings"][name] for name in ("compiled-openvino-pinned", "compiled"))
+    assert pinned["openvino_cpu_pinning"] and pinned["ocr_engine"] == "openvino"
+    assert compiled["ocr_engine"] == "onnxruntime" and compiled["trainer_args"] == "--compile"
+    assert (f"compiled runs made {pinned['steady_run_iterations_per_s']:.2f} run-iterations a second "
+            f"against {compiled['steady_run_iterations_per_s']:.2f} on ONNX Runtime, the GPU "
+            f"{pinned['usage']['gpu_busy_percent_median']}% busy") in shown
+    pool = json.loads((ROOT / "benchmark/results/ocr_proxy_pool_openvino_cpu.json").read_text())
+    rates = [pool["settings"]["openvino:1"][noise]["images_per_s"]
+             / pool["settings"]["cpu:1"][noise]["images_per_s"] for noise in ("noise25", "noise70")]
+    assert all(pool["settings"]["openvino:1"][noise]["identical_to_cpu:1"] == pool["images"]
+               for noise in ("noise25", "noise70"))
+    assert f"reads {min(rates):.2f}–{max(rates):.2f}× as many images a second" in shown
+    cpu = compiled["per_run_iteration_cpu_s"]
+    reads = cpu["ocr_pool"] / min(there)
     bound = 16 / (reads + cpu["trainers"] + cpu["driver"])
-    assert (f"({reads:.2f} core-seconds a run-iteration), compiled trainers and the driver would be "
-            f"bound near 16 / ({reads:.2f} + {cpu['trainers']:.2f} + {cpu['driver']:.2f}) ≈ "
-            f"{bound:.1f} run-iterations a second, just short of the 6.75") in shown
-    assert bound < 6.75
+    assert (f"(reads {cpu['ocr_pool']:.2f}, trainers {cpu['trainers']:.2f}, driver {cpu['driver']:.2f} "
+            f"core-seconds a run-iteration), reads {min(there):.2f}× cheaper would bound the runs near "
+            f"16 / ({reads:.2f} + {cpu['trainers']:.2f} + {cpu['driver']:.2f}) ≈ {bound:.1f} "
+            f"run-iterations a second, short of the 6.75") in shown
+    assert bound < 6.75 and gpu_machine["projection"]["run_iterations_per_s_bound"] == round(bound, 2)
     results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
     assert "the same 520 reads, 1.5× cheaper" in results
 
