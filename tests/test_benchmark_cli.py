@@ -535,15 +535,30 @@ def test_ocr_proxy_docs_give_the_openvino_figures_from_their_file():
     assert pinned["openvino_cpu_pinning"] and pinned["ocr_engine"] == "openvino"
     assert compiled["ocr_engine"] == "onnxruntime" and compiled["trainer_args"] == "--compile"
     assert (f"compiled runs made {pinned['steady_run_iterations_per_s']:.2f} run-iterations a "
-            "second "
-            f"against {compiled['steady_run_iterations_per_s']:.2f} on ONNX Runtime, the GPU "
-            f"{pinned['usage']['gpu_busy_percent_median']}% busy") in shown
+            f"second against {compiled['steady_run_iterations_per_s']:.2f} on ONNX Runtime, the "
+            f"GPU {pinned['usage']['gpu_busy_percent_median']}% busy") in shown
     pool = json.loads((ROOT / "benchmark/results/ocr_proxy_pool_openvino_cpu.json").read_text())
     rates = [pool["settings"]["openvino:1"][noise]["images_per_s"]
              / pool["settings"]["cpu:1"][noise]["images_per_s"] for noise in ("noise25", "noise70")]
     assert all(pool["settings"]["openvino:1"][noise]["identical_to_cpu:1"] == pool["images"]
                for noise in ("noise25", "noise70"))
     assert f"reads {min(rates):.2f}–{max(rates):.2f}× as many images a second" in shown
+    results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    assert "the same 520 reads, 1.5× cheaper" in results
+
+
+def test_ocr_proxy_docs_give_the_unpinned_pool_s_runs_from_their_file():
+    """The unpinned OpenVINO pool's compiled runs (one H100) against ONNX Runtime's from the earlier
+    call, said not to be side by side; the earlier 6.2 projection, kept in HISTORY, is that call's
+    whole-window CPU and falls short of the measured rate."""
+    gpu_machine = json.loads(
+        (ROOT / "benchmark/results/ocr_proxy_engine_speed_h100.json").read_text())
+    reads = gpu_machine["reads_one_core"]
+    cheaper = min(reads[name]["onnxruntime"]["cpu_ms_per_read"]
+                  / reads[name]["openvino-f32"]["cpu_ms_per_read"]
+                  for name in ("grid_tiles", "renders"))
+    compiled = gpu_machine["settings"]["compiled"]
+    shown = re.sub(r"\s+", " ", (ROOT / "docs" / "ocr-proxy.md").read_text())
     unpinned_file = ROOT / "benchmark/results/ocr_proxy_engine_speed_unpinned_h100.json"
     unpinned = json.loads(unpinned_file.read_text())
     runs = unpinned["settings"]["compiled-openvino"]
@@ -564,7 +579,7 @@ def test_ocr_proxy_docs_give_the_openvino_figures_from_their_file():
             f"{compiled['per_run_iteration_cpu_s']['ocr_pool']:.2f}") in shown
     assert f"(pretraining took {unpinned['pretrain_s']:.0f} s," in shown
     cpu = compiled["per_run_iteration_cpu_s"]
-    projected = 16 / (cpu["ocr_pool"] / min(there) + cpu["trainers"] + cpu["driver"])
+    projected = 16 / (cpu["ocr_pool"] / cheaper + cpu["trainers"] + cpu["driver"])
     assert f"had put the bound near {projected:.1f}" in shown and projected < 6.75 < rate
     assert gpu_machine["projection"]["run_iterations_per_s_bound"] == round(projected, 2)
     results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
@@ -576,9 +591,7 @@ def test_ocr_proxy_docs_give_the_openvino_figures_from_their_file():
     assert (f"at {rate:.2f} a second the runs spent at most 16 / {rate:.2f} = {16 / rate:.2f} "
             f"core-s a run-iteration. The window's own figures in the unpinned call: the pool "
             f"{pool_cpu:.2f} core-s") in history
-    assert (f"16 cores were to bound the runs near {projected:.1f} a second") in history
-    results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
-    assert "the same 520 reads, 1.5× cheaper" in results
+    assert f"16 cores were to bound the runs near {projected:.1f} a second" in history
 
 
 @pytest.mark.parametrize("script", ["benchmark/peers.py", "benchmark/wall_clock.py"])
