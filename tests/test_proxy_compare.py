@@ -418,8 +418,10 @@ def test_merge_joins_a_part_validated_less_often_and_scored_only_at_validation(t
      "base"),
     (lambda r: r["args"]["variants"].__setitem__(0, "crd:tuned=--crd-beta 1"),
      "variant crd:tuned runs '--crd-beta 1' where {a} ran '--crd-beta 0.5'"),
-    (lambda r: r["runs"].update(crd_tuned_seed0={}), "run crd_tuned_seed0 is also in an earlier "
-     "report"),
+    (lambda r: r["runs"].update(crd_tuned_seed0={}), "run crd_tuned_seed0 is also in {a} and does "
+     "not reproduce it: the two share no validation after iteration 0"),
+    (lambda r: r["args"].update(ocr_engine="openvino"), "--ocr-engine openvino where {a} ran "
+     "onnxruntime, and no run held by a report of each shows that the two read alike"),
 ])
 def test_merge_refuses_reports_of_another_design_in_one_line(tmp_path, change, message):
     report = json.loads(FIVE_SEEDS.read_text())["benchmark"]
@@ -432,6 +434,50 @@ def test_merge_refuses_reports_of_another_design_in_one_line(tmp_path, change, m
     expected = f"merge.py: error: {tmp_path / 'b.json'}: " + message.format(a=tmp_path / "a.json")
     assert result.stderr.splitlines() == [expected]
     assert not (tmp_path / "merged.json").exists()
+
+
+def test_merge_keeps_once_a_run_two_reports_hold_where_it_reproduces(tmp_path):
+    """Seed 2 in both parts, and the second part on OpenVINO: the reproduced runs are kept once and
+    listed, the runtimes' reads count as alike, and compare.py gives the committed tables back. A
+    report written before --ocr-engine existed ran ONNX Runtime."""
+    report = json.loads(FIVE_SEEDS.read_text())["benchmark"]
+    first = part_of(report, [0, 1, 2])
+    first["args"].pop("ocr_engine", None)
+    second = part_of(report, [2, 3, 4])
+    second["args"]["ocr_engine"] = "openvino"
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    (tmp_path / "b.json").write_text(json.dumps(second))
+    merged = run_merge(tmp_path / "merged.json", tmp_path / "a.json", tmp_path / "b.json")
+    assert merged.returncode == 0, merged.stderr
+    content = json.loads((tmp_path / "merged.json").read_text())
+    assert len(content["runs"]) == 15 and content["args"]["ocr_engine"] == ["onnxruntime",
+                                                                             "openvino"]
+    assert [r["run"] for r in content["reproduced"]] == [f"{a}_tuned_seed2"
+                                                         for a in ("crd", "dgpo", "nft")]
+    assert [part["ocr_engine"] for part in content["parts"]] == ["onnxruntime", "openvino"]
+    after = run_compare(tmp_path / "merged.json")
+    assert after.stdout.split("\n", 1)[1] == run_compare(FIVE_SEEDS).stdout.split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("where, message", [
+    ("validation", "the validation at iteration 150 differs"),
+    ("final", "the final score at cfg4.5_40steps differs"),
+])
+def test_merge_refuses_a_run_two_reports_hold_that_does_not_reproduce(tmp_path, where, message):
+    report = json.loads(FIVE_SEEDS.read_text())["benchmark"]
+    second = json.loads(json.dumps(part_of(report, [2, 3, 4])))
+    if where == "validation":
+        scores = second["runs"]["dgpo_tuned_seed2"]["per_prompt"]["150"]
+    else:
+        scores = second["final_scores"]["dgpo_tuned_seed2"]["per_prompt"]["cfg4.5_40steps"]
+    scores[7] = 1.0 - scores[7]
+    (tmp_path / "a.json").write_text(json.dumps(part_of(report, [0, 1, 2])))
+    (tmp_path / "b.json").write_text(json.dumps(second))
+    result = run_merge(tmp_path / "merged.json", tmp_path / "a.json", tmp_path / "b.json")
+    assert result.returncode == 1 and not (tmp_path / "merged.json").exists()
+    assert result.stderr.splitlines() == [
+        f"merge.py: error: {tmp_path / 'b.json'}: run dgpo_tuned_seed2 is also in "
+        f"{tmp_path / 'a.json'} and does not reproduce it: {message}"]
 
 
 def test_the_ten_seed_file_holds_the_five_seed_runs_unchanged_and_ten_seeds_of_each():

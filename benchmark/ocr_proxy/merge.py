@@ -5,8 +5,11 @@
 The runs are deterministic given their seed (a run reproduces to the bit on another machine or
 beside other runs), so runs of one design in different calls belong to one table. The reports
 must share the pretrained base (the same per-prompt base scores on every protocol they share),
-the held-out words and every argument that shapes a run; a run name two reports both hold, or a
-variant name given different arguments, is refused. How often the runs validated may differ: a
+the held-out words and every argument that shapes a run; a variant name given different arguments
+is refused. A run that two reports both hold is kept once where it reproduces (the same score on
+every word at every validation and final protocol both have), else refused. The pool's PP-OCR
+runtime (--ocr-engine) may differ only where such a run shows that the runtimes' reads gave the
+same run. How often the runs validated may differ: a
 validation samples from its own seeds and changes no run (a run validated every 75 iterations
 scores, at 75, 150 and 225, what it scores validated every 25). OUT holds the union of the runs,
 their final scores and return codes, with each report's seeds, phases and machine use under
@@ -29,6 +32,8 @@ PER_CALL = {"out", "seeds", "time_limit_s", "resume", "algorithms", "variants", 
             "mps", "final_guidances", "final_scores", "kl_only_control", "eval_every"}
 # the pretraining arguments that only pace its progress lines
 PRETRAIN_PER_CALL = {"out", "progress_every_s", "ocr_workers", "time_cap_s"}
+# arguments run_benchmark gained after reports were kept, with what a report without one ran
+ADDED_LATER = {"ocr_engine": "onnxruntime"}
 
 
 @dataclass
@@ -70,20 +75,41 @@ def variant_args(args: dict) -> dict[tuple[str, str], str]:
     return named
 
 
+def argument(report: dict, key: str):
+    return report["args"].get(key, ADDED_LATER.get(key))
+
+
+def differs(run: dict, earlier: dict, finals: dict, earlier_finals: dict) -> str | None:
+    """How a run held by two reports fails to reproduce, in words; None where every score both
+    have is the same on every word."""
+    validated = set(run.get("per_prompt", {})) & set(earlier.get("per_prompt", {}))
+    if not validated - {"0"}:
+        return "the two share no validation after iteration 0"
+    for iteration in sorted(validated, key=int):
+        if run["per_prompt"][iteration] != earlier["per_prompt"][iteration]:
+            return f"the validation at iteration {iteration} differs"
+    scored = finals.get("per_prompt", {})
+    earlier_scored = earlier_finals.get("per_prompt", {})
+    for protocol in sorted(set(scored) & set(earlier_scored)):
+        if scored[protocol] != earlier_scored[protocol]:
+            return f"the final score at {protocol} differs"
+    return None
+
+
 def merge(reports: dict[str, dict]) -> dict:
     """The union of `reports` ({path: report}), after the checks of the module docstring."""
     (first_path, first), *others = reports.items()
     merged = {"args": dict(first["args"]), "eval_words": first["eval_words"],
               "base": first.get("base"), "runs": {}, "final_scores": {}, "return_codes": {},
-              "failed": [], "parts": []}
-    variants = {}
+              "failed": [], "parts": [], "reproduced": []}
+    variants, held_by, checked = {}, {}, set()
     for path, report in reports.items():
         for key in set(report["args"]) | set(first["args"]):
-            if key in PER_CALL or key == "pretrain":
+            if key in PER_CALL or key in ("pretrain", "ocr_engine"):
                 continue
-            if report["args"].get(key) != first["args"].get(key):
-                fail(f"{path}: --{key.replace('_', '-')} {report['args'].get(key)!r} where "
-                     f"{first_path} has {first['args'].get(key)!r}")
+            if argument(report, key) != argument(first, key):
+                fail(f"{path}: --{key.replace('_', '-')} {argument(report, key)!r} where "
+                     f"{first_path} has {argument(first, key)!r}")
         pretrain, first_pretrain = report["args"]["pretrain"], first["args"]["pretrain"]
         for key in set(pretrain) & set(first_pretrain) - PRETRAIN_PER_CALL:
             if pretrain[key] != first_pretrain[key]:
@@ -100,18 +126,35 @@ def merge(reports: dict[str, dict]) -> dict:
             if variants.setdefault(key, (arguments, path))[0] != arguments:
                 fail(f"{path}: variant {key[0]}:{key[1]} runs {arguments!r} where "
                      f"{variants[key][1]} ran {variants[key][0]!r}")
-        for name in report["runs"]:
-            if name in merged["runs"]:
-                fail(f"{path}: run {name} is also in an earlier report")
-        merged["runs"].update(report["runs"])
-        merged["return_codes"].update(report.get("return_codes", {}))
-        merged["failed"] += report.get("failed", [])
+        engine = argument(report, "ocr_engine")
         finals = {name: scores for name, scores in report.get("final_scores", {}).items()
                   if name != "base"}
-        merged["final_scores"].update(finals)
+        for name, run in report["runs"].items():
+            if name not in merged["runs"]:
+                held_by[name] = path
+                continue
+            earlier = held_by[name]
+            where = differs(run, merged["runs"][name], finals.get(name, {}),
+                            merged["final_scores"].get(name, {}))
+            if where:
+                fail(f"{path}: run {name} is also in {earlier} and does not reproduce it: {where}")
+            merged["reproduced"].append({"run": name, "reports": [earlier, path]})
+            checked.add(frozenset((engine, argument(reports[earlier], "ocr_engine"))))
+        new = {name: run for name, run in report["runs"].items() if held_by[name] == path}
+        merged["runs"].update(new)
+        merged["return_codes"].update({name: code for name, code in
+                                       report.get("return_codes", {}).items() if name in new})
+        merged["failed"] += [name for name in report.get("failed", []) if name in new]
+        merged["final_scores"].update({name: s for name, s in finals.items() if name in new})
         merged["parts"].append({"report": path, "seeds": report["args"]["seeds"],
-                                "algorithms": report["args"]["algorithms"],
+                                "algorithms": report["args"]["algorithms"], "ocr_engine": engine,
                                 "phases_s": report.get("phases_s"), "usage": report.get("usage")})
+    engines = {argument(report, "ocr_engine") for report in reports.values()}
+    for path, report in others:
+        engine, first_engine = argument(report, "ocr_engine"), argument(first, "ocr_engine")
+        if engine != first_engine and frozenset((engine, first_engine)) not in checked:
+            fail(f"{path}: --ocr-engine {engine} where {first_path} ran {first_engine}, and no "
+                 "run held by a report of each shows that the two read alike")
     # the base at the protocols every report that scored it scored it at, the first such report's
     # values (equal to the others'); a report run without final scores has none to share
     scored = [report for report in reports.values() if base_scores(report)]
@@ -127,6 +170,7 @@ def merge(reports: dict[str, dict]) -> dict:
                                            for a in r["args"]["algorithms"]})
     merged["args"]["variants"] = list(dict.fromkeys(v for r in reports.values()
                                                     for v in r["args"].get("variants", [])))
+    merged["args"]["ocr_engine"] = sorted(engines) if len(engines) > 1 else engines.pop()
     for key in ("out", "time_limit_s", "resume"):
         merged["args"].pop(key, None)
     return merged
