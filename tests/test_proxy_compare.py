@@ -480,6 +480,21 @@ def test_merge_refuses_a_run_two_reports_hold_that_does_not_reproduce(tmp_path, 
         f"{tmp_path / 'a.json'} and does not reproduce it: {message}"]
 
 
+def test_compare_of_some_seeds_is_compare_of_a_report_of_those_seeds_alone(tmp_path):
+    """--seeds 3 4 reads the 5-seed file as a report of seeds 3-4 would read (tables, final scores
+    and the base's row); a seed no run has is one line."""
+    report = json.loads(FIVE_SEEDS.read_text())["benchmark"]
+    (tmp_path / "part.json").write_text(json.dumps(part_of(report, [3, 4])))
+    some = run_compare(FIVE_SEEDS, "--seeds", "3", "4")
+    alone = run_compare(tmp_path / "part.json")
+    assert some.returncode == 0, some.stderr
+    assert some.stdout.split("\n", 1)[1] == alone.stdout.split("\n", 1)[1]
+    assert some.stdout.count("| 2 |") == 3 * some.stdout.count("### ") > 0
+    missing = run_compare(FIVE_SEEDS, "--seeds", "99")
+    assert missing.returncode == 1 and missing.stderr.splitlines() == [
+        f"compare.py: error: --seeds 99: no run of {FIVE_SEEDS} has one of them"]
+
+
 def test_the_ten_seed_file_holds_the_five_seed_runs_unchanged_and_ten_seeds_of_each():
     ten = json.loads((FIVE_SEEDS.parent / "ocr_proxy_three_way_10seeds_h200.json").read_text())
     five = json.loads(FIVE_SEEDS.read_text())["benchmark"]

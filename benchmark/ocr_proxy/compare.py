@@ -53,6 +53,8 @@ class Options:
     """validation iteration to compare (default: the last one that every run validated)"""
     json: str = ""
     """also write the numbers to this JSON file"""
+    seeds: list[int] | None = None
+    """compare only the runs of these seeds, e.g. those run after a setting was picked on others"""
 
 
 def residual_mean_square(x: np.ndarray) -> float:
@@ -219,8 +221,22 @@ def markdown(protocol: str, result: dict) -> str:
     return "\n".join(lines)
 
 
+def only_seeds(report: dict, seeds: list[int], path: str) -> dict:
+    """The report with the runs (and their final scores) of `seeds` alone."""
+    kept = [name for name in report["runs"] if parse_run(name)[2] in seeds]
+    if not kept:
+        sys.exit(f"compare.py: error: --seeds {' '.join(map(str, seeds))}: no run of {path} has "
+                 "one of them")
+    finals = {name: scores for name, scores in report.get("final_scores", {}).items()
+              if name in kept or name == "base"}
+    return {**report, "runs": {name: report["runs"][name] for name in kept},
+            "final_scores": finals}
+
+
 def main(options: Options) -> dict:
     report = load(options.report)
+    if options.seeds is not None:
+        report = only_seeds(report, options.seeds, options.report)
     results = {protocol: compare(scores, options.report)
                for protocol, scores in protocols(report, options.iteration, options.report).items()}
     print(f"Held-out PP-OCR of {options.report}: means over seeds x prompts; a difference's 95% CI "
