@@ -15,9 +15,11 @@
 
 The directory is a diffusers StableDiffusion3Pipeline (bf16) that crd.py and dgpo.py load with --model DIR, plus
 proxy.json (the configuration, the validation history and wall times). Same arguments, same seed: same words and
-the same training, also on CUDA (torch's deterministic algorithms: two short runs on one H200 gave identical
-weights; without them, the base score had moved by 0.05 between two GPU runs). A directory whose proxy.json holds
-the same configuration is reused as it is.
+the same training on one kind of GPU (torch's deterministic algorithms: two short runs gave identical weights on one
+H200, and on one H100; without them, the base score had moved by 0.05 between two GPU runs). An H100 and an H200
+give other transformer and text-encoder weights (the base then scores 0.336 against 0.316): runs to be compared
+across GPU kinds share a base carried in. A directory whose proxy.json holds the same configuration is reused as it
+is.
 """
 
 from __future__ import annotations
