@@ -569,10 +569,10 @@ def test_ocr_proxy_docs_give_the_two_pool_runtimes_side_by_side_from_their_file(
     (ov_rate, ov_cpu, ov_busy), (ort_rate, ort_cpu, ort_busy) = rates
     assert abs(ov_rate / ort_rate - 1) < 0.01  # "did not change the runs' rate"
     shown = re.sub(r"\s+", " ", (ROOT / "docs" / "ocr-proxy.md").read_text())
-    assert (f"7.00 run-iterations a second on OpenVINO against 6.98 on ONNX Runtime, the pool "
-            f"spending {ov_cpu:.2f} core-seconds a run-iteration against {ort_cpu:.2f} while the "
-            f"machine's CPU was {ov_busy:.0f}% and {ort_busy:.0f}% busy") in shown
-    assert f"{ov_rate:.2f} {ort_rate:.2f}" == "7.00 6.98"
+    assert (f"{ov_rate:.2f} run-iterations a second on OpenVINO against {ort_rate:.2f} on ONNX "
+            f"Runtime, the pool spending {ov_cpu:.2f} core-seconds a run-iteration against "
+            f"{ort_cpu:.2f} while the machine's CPU was {ov_busy:.0f}% and {ort_busy:.0f}% "
+            "busy") in shown
     lines = both["held_out_lines"]
     shared = 0
     for run, line in lines["eager-openvino"].items():
@@ -637,8 +637,8 @@ def test_ocr_proxy_docs_give_the_18_runs_and_the_target_from_their_files():
     assert (f"Every trainer waited {min(waits):.2f}–{max(waits):.2f} s of its iteration for its "
             f"rewards, the machine's CPU was {usage['machine_cpu_busy_percent']:.0f}% busy, and a "
             f"run-iteration cost the trainers {trainers:.2f} core-seconds against "
-            f"{min(six_trainers):.2f}–{max(six_trainers):.2f} with 6 runs (why is not measured), "
-            f"the pool {pool:.2f}") in shown
+            f"{min(six_trainers):.2f}–{max(six_trainers):.2f} with 6 runs in the side-by-side call "
+            f"(why is not measured), the pool {pool:.2f}") in shown
     compiled = json.loads(
         (results_dir / "ocr_proxy_engine_speed_unpinned_h100.json").read_text())
     best = compiled["settings"]["compiled-openvino"]["steady_run_iterations_per_s"]

@@ -2,8 +2,8 @@
 
     python benchmark/ocr_proxy/merge.py OUT.json A/benchmark.json B/benchmark.json ...
 
-The runs are deterministic given their seed (a run reproduces to the bit on another machine or
-beside other runs), so runs of one design in different calls belong to one table. The reports
+The runs are deterministic given their seed and base (a run reproduced to the bit on another H200
+and beside other runs), so runs of one design in different calls belong to one table. The reports
 must share the pretrained base (the same per-prompt base scores on every protocol they share),
 the held-out words and every argument that shapes a run; a variant name given different arguments
 is refused. A run that two reports both hold is kept once where it reproduces (the same score on
