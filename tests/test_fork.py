@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from benchmark.ocr_proxy import run_benchmark
+from benchmark.ocr_proxy import final_scores
 from tensorboard_logs import scalars
 import zygote
 
@@ -98,7 +98,7 @@ def test_an_on_policy_fork_validates_and_evaluates_its_policy(tiny_model_dir, tm
     state = json.loads((run / "global_step_2" / "trainer_state.json").read_text())
     assert state["validation_adapter"] == "policy"
     # the OCR proxy's final scores take the adapter the checkpoint's run validated
-    assert run_benchmark.validated_adapter(run / "global_step_2") == "policy"
+    assert final_scores.validated_adapter(run / "global_step_2") == "policy"
     # the fork edited back to validate its sampling adapter (crd.py's code under the fork's name)
     # does not go on with the run: its eval curve would switch adapters without a word
     edited = tmp_path / "edited" / script.name

@@ -225,7 +225,7 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
     args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                               iterations=2, eval_every=1, eval_prompts=2, eval_split="validation", ocr_workers=1,
                               kl_only_control=True, prompts_per_rank=2, group_size=2, train_batch_size=4,
-                              algorithms=["crd", "nft"],
+                              algorithms=["crd", "nft"], final_score_workers=0,
                               trainer_args="--num-steps 3 --num-train-timesteps 1")
     report = run_benchmark.main(args)
     out = tmp_path / "bench"
@@ -277,6 +277,14 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
         for protocol in ("cfg1_2steps", "cfg4.5_2steps"):
             assert scales[name]["per_prompt"][protocol] == report["final_scores"][name]["per_prompt"][protocol]
     assert json.loads((out / "guidance.json").read_text())["scores"]["crd_seed3"]["policy_cfg4.5_2steps"] >= 0
+    # sampled in two processes side by side, every final score is the driver's own, word by word
+    from benchmark.ocr_proxy import final_scores
+
+    speed = final_scores.main(final_scores.Options(out=str(out), workers=[2], ocr_workers=1,
+                                                   json=str(tmp_path / "speed.json")))
+    assert speed["scores"] == report["final_scores"] and speed["models"] == 5
+    assert json.loads((tmp_path / "speed.json").read_text())["means"]["crd_seed3"]["cfg1_2steps"] == (
+        report["final_scores"]["crd_seed3"]["cfg1_2steps"])
     # the driver's scoring of the last checkpoint reproduces the trainer's last validation (same sampler, seeds, words)
     assert report["final_scores"]["crd_seed3"]["cfg1_2steps"] == pytest.approx(report["runs"]["crd_seed3"]["eval"][-1][1])
     assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "per_prompt"}
@@ -293,7 +301,8 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
 def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_path):
     """--resume: a benchmark that ended after 1 of its iterations (as --time-limit-s ends one) goes on from each run's
     checkpoint to the curves and adapters of a benchmark that ran straight through. The pool reads on OpenVINO
-    (--ocr-engine openvino), so that the driver runs end to end on it too."""
+    (--ocr-engine openvino), so that the driver runs end to end on it too; the stopped benchmark's trainers start
+    through blocking_sync.py (--blocking-sync), which must not change what they compute."""
     from benchmark.ocr_proxy import run_benchmark
 
     def bench(out, iterations, resume=False):
@@ -301,6 +310,7 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
                                   iterations=iterations, eval_every=1, eval_prompts=2, eval_split="validation",
                                   ocr_workers=1, prompts_per_rank=2, group_size=2, train_batch_size=2,
                                   algorithms=["crd"], final_scores=False, resume=resume, ocr_engine="openvino",
+                                  blocking_sync=out == "stopped",
                                   # a guided KL anchor moves the adapters where every reward is 0
                                   trainer_args="--num-steps 3 --num-train-timesteps 1 --kl-cfg 4.5")
         return run_benchmark.main(args)
@@ -484,3 +494,24 @@ def test_pretraining_prints_progress_without_changing_what_it_trains(tmp_path):
     for weights in ("transformer", "text_encoder", "vae"):
         (file,) = (tmp_path / "loud" / weights).glob("*.safetensors")
         assert file.read_bytes() == (tmp_path / "quiet" / weights / file.name).read_bytes(), weights
+
+
+def test_blocking_sync_runs_a_script_as_python_would(tmp_path):
+    """blocking_sync.py hands the script its arguments, __name__ == "__main__", its own directory first on sys.path
+    and its exit status (without a CUDA driver, as here, it only runs it); a missing script is one line."""
+    script = tmp_path / "tool" / "script.py"
+    script.parent.mkdir()
+    script.write_text("import json, sys\n"
+                      "print(json.dumps([__name__, sys.argv, sys.path[0], __file__]))\n"
+                      "sys.exit(3)\n")
+    launcher = ROOT / "benchmark" / "ocr_proxy" / "blocking_sync.py"
+    ran = subprocess.run([sys.executable, str(launcher), str(script), "--flag", "a b"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert ran.returncode == 3, ran.stderr
+    name, argv, first_path, file = json.loads(ran.stdout)
+    assert (name, argv, first_path, file) == ("__main__", [str(script), "--flag", "a b"], str(script.parent),
+                                              str(script))
+    missing = subprocess.run([sys.executable, str(launcher), "nothing.py"], capture_output=True, text=True,
+                             cwd=tmp_path)
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == "blocking_sync.py: error: nothing.py: no such script"

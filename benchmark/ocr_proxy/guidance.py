@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy import pretrain  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
 from benchmark.ocr_proxy.render import split_words  # noqa: E402
-from benchmark.ocr_proxy.run_benchmark import ALGORITHMS, final_scores  # noqa: E402
+from benchmark.ocr_proxy.final_scores import final_scores  # noqa: E402
+from benchmark.ocr_proxy.run_benchmark import ALGORITHMS  # noqa: E402
 
 
 @dataclass

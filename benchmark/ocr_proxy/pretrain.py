@@ -289,15 +289,21 @@ def latent_distribution(vae, images: torch.Tensor, autocast) -> tuple[torch.Tens
 
 
 @torch.no_grad()
-def sample_and_score(pipe, embed, words: list[str], num_steps: int, guidance: float, resolution: int, pool: OcrPool,
-                     autocast) -> tuple[np.ndarray, np.ndarray]:
-    """PP-OCR scores of one image per word (image i from seed i, as the trainers validate) and the images."""
+def sample_words(pipe, embed, words: list[str], num_steps: int, guidance: float, resolution: int,
+                 autocast) -> np.ndarray:
+    """(N, H, W, 3) uint8: one image per word, image i from seed i, as the trainers validate."""
     embeds, pooled = embed([prompt(w) for w in words])
     negative = embed([""])
     with autocast:
-        images = rollout.sample(pipe, embeds, pooled, list(range(len(words))), num_steps, guidance, resolution,
-                                resolution, max_batch_size=256, negative_embeds=negative[0],
-                                negative_pooled=negative[1])["images"]
+        return rollout.sample(pipe, embeds, pooled, list(range(len(words))), num_steps, guidance, resolution,
+                              resolution, max_batch_size=256, negative_embeds=negative[0],
+                              negative_pooled=negative[1])["images"]
+
+
+def sample_and_score(pipe, embed, words: list[str], num_steps: int, guidance: float, resolution: int, pool: OcrPool,
+                     autocast) -> tuple[np.ndarray, np.ndarray]:
+    """PP-OCR scores of one image per word (sample_words) and the images."""
+    images = sample_words(pipe, embed, words, num_steps, guidance, resolution, autocast)
     scores, _ = pool.score(images, words)
     return scores, images
 

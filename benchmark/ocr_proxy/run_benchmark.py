@@ -54,18 +54,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
 import tyro
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
-import lora_adapters  # noqa: E402
 import run_dirs  # noqa: E402
-import sd3  # noqa: E402
 from benchmark.events import scalars as logged_scalars  # noqa: E402
 from benchmark.ocr_proxy import pretrain  # noqa: E402
+from benchmark.ocr_proxy.final_scores import final_scores  # noqa: E402
 from benchmark.ocr_proxy.machine import Usage, mps_daemon  # noqa: E402
 from benchmark.ocr_proxy.ocr_pool import BLIND_MODEL_NAME, MODEL_NAME, OcrPool, serve  # noqa: E402
 from benchmark.ocr_proxy.render import split_words, write_prompts  # noqa: E402
@@ -135,6 +133,9 @@ class Args:
     mps: bool = False
     """run the trainers through NVIDIA's MPS daemon, so that their kernels share the GPU at once
     rather than by turns"""
+    blocking_sync: bool = False
+    """trainers wait for the GPU asleep instead of spinning on a core (CUDA's blocking
+    synchronisation, blocking_sync.py), leaving the cores to the pool's reads"""
     trainer_args: str = ""
     """extra arguments for every trainer, e.g. '--trainer-args=--learning-rate 1e-4' (with '=')"""
     algorithms: list[Literal["crd", "dgpo", "nft"]] = field(default_factory=lambda: list(ALGORITHMS))
@@ -154,6 +155,9 @@ class Args:
     final_scores: bool = True
     """score the base and each run's last checkpoint after training (a sweep that chooses on the validation curves
     can skip it)"""
+    final_score_workers: int = 4
+    """processes that sample the final scores side by side while the pool reads them (0: the driver
+    samples them itself)"""
 
 
 def check_args(args: Args) -> None:
@@ -186,6 +190,8 @@ def check_args(args: Args) -> None:
         if named & runs:
             fail(f"--variants {variant!r}: a second variant named {name!r} for {sorted(named & runs)[0][0]}")
         runs |= named
+    if args.final_score_workers < 0:
+        fail(f"--final-score-workers {args.final_score_workers}: 0 (the driver samples them) or more")
     if args.trainer_threads < 0:
         fail(f"--trainer-threads {args.trainer_threads}: 0 (torch's default) or more")
     if args.ocr_engine != "onnxruntime" and args.scorer != "pool":
@@ -274,7 +280,8 @@ def run_name(algo: str, variant: str, seed: int) -> str:
 def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int], model: Path, data: Path, runs: Path,
            max_sequence_length: int, reward: list[str], variant_args: str, args: Args,
            extra_env: dict) -> subprocess.Popen:
-    command = [sys.executable, str(ROOT / f"{algo}.py"), "--model", str(model), *reward,
+    launcher = [str(Path(__file__).with_name("blocking_sync.py"))] if args.blocking_sync else []
+    command = [sys.executable, *launcher, str(ROOT / f"{algo}.py"), "--model", str(model), *reward,
                "--train-data", str(data / "train.jsonl"), "--eval-data", str(data / f"{args.eval_split}.jsonl"),
                "--resolution", str(args.pretrain.task.resolution), "--max-sequence-length", str(max_sequence_length),
                "--num-iterations", str(args.iterations), "--eval-every", str(args.eval_every),
@@ -304,54 +311,6 @@ def launch(algo: str, variant: str, seed: int, gpu: int | None, cores: list[int]
     with open(runs / f"{run_name(algo, variant, seed)}.log", "a" if args.resume else "w") as log:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cores))
-
-
-def validated_adapter(checkpoint_dir: Path) -> str:
-    """The adapter a checkpoint's trainer validated with (its trainer_state.json records it; "sampling" in
-    checkpoints from before it): a fork's on-policy run is scored with its policy, as it validated."""
-    return checkpoint.read_checkpoint_state(checkpoint_dir).get("validation_adapter") or "sampling"
-
-
-def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
-                 resolution: int, protocols: dict[str, tuple[float, int]]) -> dict:
-    """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
-    and of each run's last checkpoint, with the adapter its trainer validated with (validated_adapter), and with
-    the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
-    policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
-    closely. Each entry keeps every word's score too, in `words`' order: {"per_prompt": {protocol:
-    [...]}}."""
-    cuda = torch.cuda.is_available()
-    pipe = sd3.load_pipeline(str(model), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
-
-    def embed(prompts):
-        return sd3.encode_prompts(pipe, prompts, max_sequence_length)
-
-    def at_protocols(adapter, named, prefix=""):
-        with lora_adapters.use_adapter(pipe.transformer, adapter):
-            scores = {prefix + name: pretrain.sample_and_score(pipe, embed, words, n, g, resolution, pool,
-                                                               autocast)[0]
-                      for name, (g, n) in named.items()}
-        return {name: float(s.mean()) for name, s in scores.items()}, {k: s.tolist() for k, s in scores.items()}
-
-    def entry(means, per_prompt):
-        return {**means, "per_prompt": per_prompt}
-
-    scores, validation = {"base": entry(*at_protocols(None, protocols))}, dict([next(iter(protocols.items()))])
-    for index, (name, run_dir) in enumerate(runs.items()):
-        adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
-        checkpoints = checkpoint.checkpoints(run_dir)
-        if checkpoints:
-            adapters, trained = checkpoint.read_adapters(checkpoints[-1])
-            validated = validated_adapter(checkpoints[-1])
-            lora_adapters.add_lora_adapters(pipe.transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
-            lora_adapters.load_lora_state_dict(pipe.transformer, adapter, adapters[validated])
-            means, per_prompt = at_protocols(adapter, protocols)
-            lora_adapters.load_lora_state_dict(pipe.transformer, adapter, adapters["policy"])
-            policy_means, policy_per_prompt = at_protocols(adapter, validation, "policy_")
-            scores[name] = {"checkpoint": checkpoints[-1].name, "adapter": validated,
-                            **entry({**means, **policy_means}, {**per_prompt, **policy_per_prompt})}
-    return scores
 
 
 def progress(runs: Path, jobs: list[tuple[str, str, int]], iterations: int) -> str:
@@ -511,7 +470,7 @@ def main(args: Args) -> dict:
         report["final_scores"] = final_scores(model, {run_name(*job): runs / run_name(*job) for job in jobs},
                                               words[args.eval_split][: args.eval_prompts], pool,
                                               args.pretrain.max_sequence_length, args.pretrain.task.resolution,
-                                              protocols)
+                                              protocols, args.final_score_workers)
         report["phases_s"]["final_scores"] = time.perf_counter() - started
         means = {name: {k: round(v, 4) for k, v in entry.items() if isinstance(v, float)}
                  for name, entry in report["final_scores"].items()}

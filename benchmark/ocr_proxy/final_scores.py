@@ -1,0 +1,174 @@
+"""Held-out PP-OCR of the base model and of each run's last checkpoint, at several protocols.
+
+    scores = final_scores(model, {"crd_seed0": runs / "crd_seed0"}, words, pool, 32, 128, protocols)
+
+    # a benchmark's runs scored in the driver and in 4 processes: the wall time of each, and the same scores
+    python benchmark/ocr_proxy/final_scores.py --out runs/ocr_proxy --workers 0 4 --json speed.json
+
+The images are sampled in this process, or with `workers` > 0 in that many processes side by side
+(each loads the base once; a 15.5M-parameter model's sampling is launch-bound, so one process leaves
+most of the GPU idle), while this process reads the finished images with the pool. Either way each
+image is the same computation on the same inputs, so the scores are the same
+(tests/test_ocr_proxy.py checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import checkpoint  # noqa: E402
+import lora_adapters  # noqa: E402
+import sd3  # noqa: E402
+from benchmark.ocr_proxy import pretrain  # noqa: E402
+from benchmark.ocr_proxy.ocr_pool import OcrPool  # noqa: E402
+
+
+def validated_adapter(checkpoint_dir: Path) -> str:
+    """The adapter a checkpoint's trainer validated with (its trainer_state.json records it; "sampling" in
+    checkpoints from before it): a fork's on-policy run is scored with its policy, as it validated."""
+    return checkpoint.read_checkpoint_state(checkpoint_dir).get("validation_adapter") or "sampling"
+
+
+class Sampler:
+    """The base pipeline as the trainers load it (bf16 on CUDA), sampling the held-out words at protocols."""
+
+    def __init__(self, model: Path, max_sequence_length: int, resolution: int):
+        cuda = torch.cuda.is_available()
+        self.pipe = sd3.load_pipeline(str(model), "cuda" if cuda else "cpu",
+                                      torch.bfloat16 if cuda else torch.float32)
+        self.autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda)
+        self.max_sequence_length, self.resolution = max_sequence_length, resolution
+
+    def embed(self, prompts: list[str]):
+        return sd3.encode_prompts(self.pipe, prompts, self.max_sequence_length)
+
+    def at_protocols(self, adapter: str | None, words: list[str], named: dict, prefix: str = "") -> dict:
+        with lora_adapters.use_adapter(self.pipe.transformer, adapter):
+            return {prefix + name: pretrain.sample_words(self.pipe, self.embed, words, n, g, self.resolution,
+                                                         self.autocast)
+                    for name, (g, n) in named.items()}
+
+    def sample(self, index: int, run_dir: Path | None, words: list[str], protocols: dict) -> dict | None:
+        """{"images": {protocol: (N, H, W, 3) uint8}} of the base (run_dir None), or of run_dir's last
+        checkpoint with the adapter its trainer validated with, and with its policy at the first protocol
+        ("policy_" + its name), with "checkpoint" and "adapter"; None for a run with no checkpoint."""
+        if run_dir is None:
+            return {"images": self.at_protocols(None, words, protocols)}
+        checkpoints = checkpoint.checkpoints(run_dir)
+        if not checkpoints:
+            return None
+        adapters, trained = checkpoint.read_adapters(checkpoints[-1])
+        validated = validated_adapter(checkpoints[-1])
+        adapter = f"run{index}"  # run names may hold dots, which peft's module names cannot
+        transformer = self.pipe.transformer
+        lora_adapters.add_lora_adapters(transformer, trained["lora_rank"], trained["lora_alpha"], names=(adapter,))
+        lora_adapters.load_lora_state_dict(transformer, adapter, adapters[validated])
+        images = self.at_protocols(adapter, words, protocols)
+        lora_adapters.load_lora_state_dict(transformer, adapter, adapters["policy"])
+        images |= self.at_protocols(adapter, words, dict([next(iter(protocols.items()))]), "policy_")
+        return {"checkpoint": checkpoints[-1].name, "adapter": validated, "images": images}
+
+
+_sampler = None  # a sampling process's Sampler
+
+
+def _start_sampler(*args):
+    global _sampler
+    _sampler = Sampler(*args)
+
+
+def _sample(*args) -> dict | None:
+    return _sampler.sample(*args)
+
+
+def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
+                 resolution: int, protocols: dict[str, tuple[float, int]], workers: int = 0) -> dict:
+    """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
+    and of each run's last checkpoint, with the adapter its trainer validated with (validated_adapter), and with
+    the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
+    policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
+    closely. Each entry keeps every word's score too, in `words`' order: {"per_prompt": {protocol:
+    [...]}}. workers > 0: sampled in that many processes (spawned: this process may have used CUDA)."""
+    jobs = [(index, run_dir, words, protocols) for index, run_dir in enumerate([None, *runs.values()])]
+    if workers:
+        executor = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_sampler,
+                                       (model, max_sequence_length, resolution))
+        with executor:
+            futures = [executor.submit(_sample, *job) for job in jobs]
+            scores = _read(["base", *runs], (future.result() for future in futures), words, pool)
+    else:
+        sampler = Sampler(model, max_sequence_length, resolution)
+        scores = _read(["base", *runs], (sampler.sample(*job) for job in jobs), words, pool)
+    return scores
+
+
+def _read(names: list[str], sampled, words: list[str], pool: OcrPool) -> dict:
+    """{name: {"checkpoint", "adapter", protocol means..., "per_prompt"}} of each sampled entry, read with the
+    pool as it comes (the next ones are sampled meanwhile); a run with no checkpoint is left out."""
+    scores = {}
+    for name, entry in zip(names, sampled):
+        if entry is None:
+            continue
+        per_prompt = {protocol: pool.score(images, words)[0] for protocol, images in entry.pop("images").items()}
+        scores[name] = {**entry, **{protocol: float(s.mean()) for protocol, s in per_prompt.items()},
+                        "per_prompt": {protocol: s.tolist() for protocol, s in per_prompt.items()}}
+    return scores
+
+
+@dataclass
+class Options:
+    out: str
+    """a run_benchmark.py --out whose runs have checkpoints"""
+    runs: list[str] = field(default_factory=list)
+    """the runs scored (default: every run of the report)"""
+    workers: list[int] = field(default_factory=lambda: [0, 4])
+    """sampling processes of each timing (0: this process)"""
+    ocr_workers: int = 8
+    """PP-OCR engines of the pool"""
+    json: str = ""
+    """write the timings here too"""
+
+
+def main(options: Options) -> dict:
+    """The timings (what --json holds), and the first timing's scores."""
+    out = Path(options.out)
+    report = json.loads((out / "benchmark.json").read_text())
+    args = report["args"]
+    unknown = sorted(set(options.runs) - set(report["return_codes"]))
+    if unknown:
+        sys.exit(f"final_scores.py: error: --runs {' '.join(unknown)}: not runs of {out / 'benchmark.json'}")
+    runs = {name: out / "runs" / name for name in options.runs or report["return_codes"]}
+    protocols = pretrain.protocols(SimpleNamespace(**args["pretrain"]))
+    pool = OcrPool(options.ocr_workers)  # forked before CUDA starts
+    timings, first = {}, None
+    for workers in options.workers:
+        began = time.perf_counter()
+        scores = final_scores(Path(args["pretrain"]["out"]).expanduser(), runs, report["eval_words"], pool,
+                              args["pretrain"]["max_sequence_length"], args["pretrain"]["task"]["resolution"],
+                              protocols, workers)
+        first = first or scores
+        timings[str(workers)] = {"wall_s": round(time.perf_counter() - began, 2), "same_scores": scores == first}
+        print(f"final_scores: {len(scores)} models, {workers} sampling processes: {timings[str(workers)]}",
+              flush=True)
+    pool.close()
+    means = {name: {k: v for k, v in entry.items() if isinstance(v, float)} for name, entry in first.items()}
+    result = {"date": time.strftime("%Y-%m-%d"), "options": asdict(options), "models": len(first),
+              "protocols": protocols, "timings": timings, "means": means}
+    if options.json:
+        Path(options.json).write_text(json.dumps(result, indent=1))
+    return {**result, "scores": first}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Options))
