@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import tyro
 
@@ -62,9 +63,11 @@ class Sampler:
     def sample(self, index: int, run_dir: Path | None, words: list[str], protocols: dict) -> dict | None:
         """{"images": {protocol: (N, H, W, 3) uint8}} of the base (run_dir None), or of run_dir's last
         checkpoint with the adapter its trainer validated with, and with its policy at the first protocol
-        ("policy_" + its name), with "checkpoint" and "adapter"; None for a run with no checkpoint."""
+        ("policy_" + its name), with "checkpoint" and "adapter", and the seconds it took ("sample_s"); None for a
+        run with no checkpoint."""
+        began = time.perf_counter()
         if run_dir is None:
-            return {"images": self.at_protocols(None, words, protocols)}
+            return {"images": self.at_protocols(None, words, protocols), "sample_s": time.perf_counter() - began}
         checkpoints = checkpoint.checkpoints(run_dir)
         if not checkpoints:
             return None
@@ -77,7 +80,8 @@ class Sampler:
         images = self.at_protocols(adapter, words, protocols)
         lora_adapters.load_lora_state_dict(transformer, adapter, adapters["policy"])
         images |= self.at_protocols(adapter, words, dict([next(iter(protocols.items()))]), "policy_")
-        return {"checkpoint": checkpoints[-1].name, "adapter": validated, "images": images}
+        return {"checkpoint": checkpoints[-1].name, "adapter": validated, "images": images,
+                "sample_s": time.perf_counter() - began}
 
 
 _sampler = None  # a sampling process's Sampler
@@ -93,34 +97,43 @@ def _sample(*args) -> dict | None:
 
 
 def final_scores(model: Path, runs: dict[str, Path], words: list[str], pool: OcrPool, max_sequence_length: int,
-                 resolution: int, protocols: dict[str, tuple[float, int]], workers: int = 0) -> dict:
+                 resolution: int, protocols: dict[str, tuple[float, int]], workers: int = 0,
+                 timings: dict | None = None) -> dict:
     """Held-out PP-OCR at `protocols` ({name: (CFG scale, ODE steps)}, the validation protocol first) of the base model
     and of each run's last checkpoint, with the adapter its trainer validated with (validated_adapter), and with
     the trained policy at the validation protocol ("policy_" + its name): CRD's sampling adapter is an EMA of the
     policy (here decay 0.9 from iteration 98 on; 0.999 from iteration 104 with crd.py's defaults), DGPO's follows it
     closely. Each entry keeps every word's score too, in `words`' order: {"per_prompt": {protocol:
-    [...]}}. workers > 0: sampled in that many processes (spawned: this process may have used CUDA)."""
+    [...]}}. workers > 0: sampled in that many processes (spawned: this process may have used CUDA). timings, if
+    given, gets each model's seconds of sampling and of reading ("sample_s", "read_s")."""
+    timings = {} if timings is None else timings
     jobs = [(index, run_dir, words, protocols) for index, run_dir in enumerate([None, *runs.values()])]
     if workers:
         executor = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_sampler,
                                        (model, max_sequence_length, resolution))
         with executor:
             futures = [executor.submit(_sample, *job) for job in jobs]
-            scores = _read(["base", *runs], (future.result() for future in futures), words, pool)
+            scores = _read(["base", *runs], (future.result() for future in futures), words, pool, timings)
     else:
         sampler = Sampler(model, max_sequence_length, resolution)
-        scores = _read(["base", *runs], (sampler.sample(*job) for job in jobs), words, pool)
+        scores = _read(["base", *runs], (sampler.sample(*job) for job in jobs), words, pool, timings)
     return scores
 
 
-def _read(names: list[str], sampled, words: list[str], pool: OcrPool) -> dict:
+def _read(names: list[str], sampled, words: list[str], pool: OcrPool, timings: dict) -> dict:
     """{name: {"checkpoint", "adapter", protocol means..., "per_prompt"}} of each sampled entry, read with the
-    pool as it comes (the next ones are sampled meanwhile); a run with no checkpoint is left out."""
+    pool as it comes (the next ones are sampled meanwhile), every protocol's images in one batch of reads; a run
+    with no checkpoint is left out."""
     scores = {}
     for name, entry in zip(names, sampled):
         if entry is None:
             continue
-        per_prompt = {protocol: pool.score(images, words)[0] for protocol, images in entry.pop("images").items()}
+        timings.setdefault("sample_s", []).append(round(entry.pop("sample_s"), 3))
+        began = time.perf_counter()
+        images = entry.pop("images")
+        read = pool.score(np.concatenate(list(images.values())), words * len(images))[0]
+        per_prompt = dict(zip(images, np.split(read, len(images))))
+        timings.setdefault("read_s", []).append(round(time.perf_counter() - began, 3))
         scores[name] = {**entry, **{protocol: float(s.mean()) for protocol, s in per_prompt.items()},
                         "per_prompt": {protocol: s.tolist() for protocol, s in per_prompt.items()}}
     return scores
@@ -153,20 +166,22 @@ def main(options: Options) -> dict:
     pool = OcrPool(options.ocr_workers)  # forked before CUDA starts
     timings, first = {}, None
     for workers in options.workers:
-        began = time.perf_counter()
+        began, split = time.perf_counter(), {}
         scores = final_scores(Path(args["pretrain"]["out"]).expanduser(), runs, report["eval_words"], pool,
                               args["pretrain"]["max_sequence_length"], args["pretrain"]["task"]["resolution"],
-                              protocols, workers)
+                              protocols, workers, split)
         first = first or scores
-        timings[str(workers)] = {"wall_s": round(time.perf_counter() - began, 2), "same_scores": scores == first}
-        print(f"final_scores: {len(scores)} models, {workers} sampling processes: {timings[str(workers)]}",
+        timings[str(workers)] = {"wall_s": round(time.perf_counter() - began, 2), "same_scores": scores == first,
+                                 **{f"{k}_sum": round(sum(v), 2) for k, v in split.items()}, **split}
+        print(f"final_scores: {len(scores)} models, {workers} sampling processes: wall "
+              f"{timings[str(workers)]['wall_s']} s, the same scores: {timings[str(workers)]['same_scores']}",
               flush=True)
+        means = {name: {k: v for k, v in entry.items() if isinstance(v, float)} for name, entry in first.items()}
+        result = {"date": time.strftime("%Y-%m-%d"), "options": asdict(options), "models": len(first),
+                  "protocols": protocols, "timings": timings, "means": means}
+        if options.json:  # after each timing: a call cut short keeps those that finished
+            Path(options.json).write_text(json.dumps(result, indent=1))
     pool.close()
-    means = {name: {k: v for k, v in entry.items() if isinstance(v, float)} for name, entry in first.items()}
-    result = {"date": time.strftime("%Y-%m-%d"), "options": asdict(options), "models": len(first),
-              "protocols": protocols, "timings": timings, "means": means}
-    if options.json:
-        Path(options.json).write_text(json.dumps(result, indent=1))
     return {**result, "scores": first}
 
 
