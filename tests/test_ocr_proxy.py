@@ -225,7 +225,7 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
     args = run_benchmark.Args(out=str(tmp_path / "bench"), pretrain=_tiny_args(tmp_path / "model"), seeds=[3],
                               iterations=2, eval_every=1, eval_prompts=2, eval_split="validation", ocr_workers=1,
                               kl_only_control=True, prompts_per_rank=2, group_size=2, train_batch_size=4,
-                              algorithms=["crd", "nft"], final_score_workers=0,
+                              algorithms=["crd", "nft"],
                               trainer_args="--num-steps 3 --num-train-timesteps 1")
     report = run_benchmark.main(args)
     out = tmp_path / "bench"

@@ -133,7 +133,7 @@ class Args:
     mps: bool = False
     """run the trainers through NVIDIA's MPS daemon, so that their kernels share the GPU at once
     rather than by turns"""
-    blocking_sync: bool = False
+    blocking_sync: bool = True
     """trainers wait for the GPU asleep instead of spinning on a core (CUDA's blocking
     synchronisation, blocking_sync.py), leaving the cores to the pool's reads"""
     trainer_args: str = ""
@@ -155,9 +155,9 @@ class Args:
     final_scores: bool = True
     """score the base and each run's last checkpoint after training (a sweep that chooses on the validation curves
     can skip it)"""
-    final_score_workers: int = 4
-    """processes that sample the final scores side by side while the pool reads them (0: the driver
-    samples them itself)"""
+    final_score_workers: int = 8
+    """processes that sample the final scores side by side on the GPU while the pool reads them (0,
+    or no GPU: the driver samples them itself)"""
 
 
 def check_args(args: Args) -> None:
@@ -470,7 +470,7 @@ def main(args: Args) -> dict:
         report["final_scores"] = final_scores(model, {run_name(*job): runs / run_name(*job) for job in jobs},
                                               words[args.eval_split][: args.eval_prompts], pool,
                                               args.pretrain.max_sequence_length, args.pretrain.task.resolution,
-                                              protocols, args.final_score_workers)
+                                              protocols, args.final_score_workers if gpus else 0)
         report["phases_s"]["final_scores"] = time.perf_counter() - started
         means = {name: {k: round(v, 4) for k, v in entry.items() if isinstance(v, float)}
                  for name, entry in report["final_scores"].items()}
