@@ -2,13 +2,12 @@
 
     scores = final_scores(model, {"crd_seed0": runs / "crd_seed0"}, words, pool, 32, 128, protocols)
 
-    # a benchmark's runs scored in the driver and in 4 processes: the wall time of each, and the same scores
-    python benchmark/ocr_proxy/final_scores.py --out runs/ocr_proxy --workers 0 4 --json speed.json
+    # a benchmark's runs scored in the driver and in 8 processes: the wall time of each, and the same scores
+    python benchmark/ocr_proxy/final_scores.py --out runs/ocr_proxy --workers 0 8 --json speed.json
 
 The images are sampled in this process, or with `workers` > 0 in that many processes side by side
-(each loads the base once; a 15.5M-parameter model's sampling is launch-bound, so one process leaves
-most of the GPU idle), while this process reads the finished images with the pool. Either way each
-image is the same computation on the same inputs, so the scores are the same
+(each loads the base once), while this process reads each model's images with the pool as they come.
+Either way each image is the same computation on the same inputs, so the scores are the same
 (tests/test_ocr_proxy.py checks it).
 """
 
@@ -145,7 +144,7 @@ class Options:
     """a run_benchmark.py --out whose runs have checkpoints"""
     runs: list[str] = field(default_factory=list)
     """the runs scored (default: every run of the report)"""
-    workers: list[int] = field(default_factory=lambda: [0, 4])
+    workers: list[int] = field(default_factory=lambda: [0, 8])
     """sampling processes of each timing (0: this process)"""
     ocr_workers: int = 8
     """PP-OCR engines of the pool"""
@@ -158,6 +157,8 @@ def main(options: Options) -> dict:
     out = Path(options.out)
     report = json.loads((out / "benchmark.json").read_text())
     args = report["args"]
+    if not options.workers:
+        sys.exit("final_scores.py: error: --workers: give one or more counts (0: this process)")
     unknown = sorted(set(options.runs) - set(report["return_codes"]))
     if unknown:
         sys.exit(f"final_scores.py: error: --runs {' '.join(unknown)}: not runs of {out / 'benchmark.json'}")
