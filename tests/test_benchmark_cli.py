@@ -637,8 +637,8 @@ def test_ocr_proxy_docs_give_the_18_runs_and_the_target_from_their_files():
     assert (f"Every trainer waited {min(waits):.2f}–{max(waits):.2f} s of its iteration for its "
             f"rewards, the machine's CPU was {usage['machine_cpu_busy_percent']:.0f}% busy, and a "
             f"run-iteration cost the trainers {trainers:.2f} core-seconds against "
-            f"{min(six_trainers):.2f}–{max(six_trainers):.2f} with 6 runs in the side-by-side call, "
-            f"the pool {pool:.2f}") in shown
+            f"{min(six_trainers):.2f}–{max(six_trainers):.2f} with 6 runs in the side-by-side "
+            f"call, the pool {pool:.2f}") in shown
     compiled = json.loads(
         (results_dir / "ocr_proxy_engine_speed_unpinned_h100.json").read_text())
     best = compiled["settings"]["compiled-openvino"]["steady_run_iterations_per_s"]
@@ -692,9 +692,11 @@ def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their
                 f"{plain[2]:.0f}% → {fast[2]:.0f}% |") in shown
         gains.append(f"{100 * (fast[0] / plain[0] - 1):+.1f}%")
         cuts.append(100 * (1 - fast[1] / plain[1]))
-    assert f"**CUDA's blocking synchronisation in the trainers: {gains[0]}, {gains[1]} and {gains[2]}" in results
+    assert (f"**CUDA's blocking synchronisation in the trainers: {gains[0]}, {gains[1]} and "
+            f"{gains[2]}") in results
     assert f"CPU a run-iteration {min(cuts):.0f}–{max(cuts):.0f}% lower" in results
-    again, other = rows["call3_18runs", True, 18][0], (rows["call1", False, 18], rows["call1", True, 18])
+    again = rows["call3_18runs", True, 18][0]
+    other = rows["call1", False, 18], rows["call1", True, 18]
     assert f"made {again:.2f} again in the next call" in shown
     assert f"18 runs made {other[1][0]:.2f} against {other[0][0]:.2f}" in shown
     assert f"{other[1][0]:.2f} against {other[0][0]:.2f} at 18 runs in another call" in results
@@ -708,18 +710,21 @@ def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their
     assert (f"(there {timings['0']['sample_s_sum'] / 19:.1f} s of sampling and "
             f"{timings['0']['read_s_sum'] / 19:.1f} s of reading a model)") in shown
     seven = speed["calls"]["call1"]["report"]["timings"]
-    assert f"7 models in 4 processes took {seven['4']['wall_s']:.1f} s against {seven['0']['wall_s']:.1f} s" in shown
+    assert (f"7 models in 4 processes took {seven['4']['wall_s']:.1f} s against "
+            f"{seven['0']['wall_s']:.1f} s") in shown
     six = json.loads((results_dir / "ocr_proxy_engine_side_by_side_h100.json").read_text())
-    compiled = json.loads((results_dir / "ocr_proxy_engine_speed_unpinned_h100.json").read_text())
+    compiled = json.loads(
+        (results_dir / "ocr_proxy_engine_speed_unpinned_h100.json").read_text())
     work = 3 * 10 * 225
     best = compiled["settings"]["compiled-openvino"]["steady_run_iterations_per_s"]
     eager = six["settings"]["eager-openvino"]["steady_run_iterations_per_s"]
     per_model = parallel / 19
     least, most = work / best + 31 * per_model, work / eager + 31 * per_model
-    assert (f"final scores of the 31 models at {per_model:.1f} s each, it is {least:,.0f}–{most:,.0f} s, "
-            f"which leaves {1200 - most:.0f}–{1200 - least:.0f} s of two calls") in shown
-    assert (f"{least:,.0f}–{most:,.0f} s, leaving {1200 - most:.0f}–{1200 - least:.0f} s of two "
-            "calls") in results
+    assert (f"final scores of the 31 models at {per_model:.1f} s each, it is "
+            f"{least:,.0f}–{most:,.0f} s, which leaves {1200 - most:.0f}–{1200 - least:.0f} s "
+            "of two calls") in shown
+    assert (f"{least:,.0f}–{most:,.0f} s, leaving {1200 - most:.0f}–{1200 - least:.0f} s "
+            "of two calls") in results
 
 
 def test_the_pretrained_base_repeats_on_one_gpu_kind_and_not_across_two():

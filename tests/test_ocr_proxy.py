@@ -283,8 +283,8 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
     speed = final_scores.main(final_scores.Options(out=str(out), workers=[2], ocr_workers=1,
                                                    json=str(tmp_path / "speed.json")))
     assert speed["scores"] == report["final_scores"] and speed["models"] == 5
-    assert json.loads((tmp_path / "speed.json").read_text())["means"]["crd_seed3"]["cfg1_2steps"] == (
-        report["final_scores"]["crd_seed3"]["cfg1_2steps"])
+    means = json.loads((tmp_path / "speed.json").read_text())["means"]
+    assert means["crd_seed3"]["cfg1_2steps"] == report["final_scores"]["crd_seed3"]["cfg1_2steps"]
     # the driver's scoring of the last checkpoint reproduces the trainer's last validation (same sampler, seeds, words)
     assert report["final_scores"]["crd_seed3"]["cfg1_2steps"] == pytest.approx(report["runs"]["crd_seed3"]["eval"][-1][1])
     assert set(report["final_scores"]["base"]) == {"cfg1_2steps", "cfg1_1steps", "cfg4.5_2steps", "per_prompt"}
@@ -301,8 +301,9 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
 def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_path):
     """--resume: a benchmark that ended after 1 of its iterations (as --time-limit-s ends one) goes on from each run's
     checkpoint to the curves and adapters of a benchmark that ran straight through. The pool reads on OpenVINO
-    (--ocr-engine openvino), so that the driver runs end to end on it too; the stopped benchmark's trainers start
-    through blocking_sync.py (--blocking-sync), which must not change what they compute."""
+    (--ocr-engine openvino), so that the driver runs end to end on it too; the stopped benchmark's
+    trainers start through blocking_sync.py (--blocking-sync), which must not change what they
+    compute."""
     from benchmark.ocr_proxy import run_benchmark
 
     def bench(out, iterations, resume=False):
@@ -435,6 +436,7 @@ def test_the_sweep_choice_keeps_the_default_unless_a_second_half_gain_clears_its
     (dict(pretrain=dict(prompt_dropout=2.0)), "--prompt-dropout 2: must be a finite number in [0, 1]"),
     (dict(pretrain=dict(learning_rate=float("nan"))), "--learning-rate nan: must be a finite number > 0"),
     (dict(ocr_engine="openvino", scorer="paddle"), "--ocr-engine openvino: the pool's runtime (--scorer pool)"),
+    (dict(final_score_workers=-1), "--final-score-workers -1: 0 (the driver samples them) or more"),
     (dict(seeds=[-1]), "--seed -1: must be at least 0"),  # the trainers' check of every seed
     (dict(prompts_per_rank=0), "--prompts-per-rank 0: must be at least 1"),
     (dict(train_batch_size=7), "--train-batch-size 7 must be a multiple of --group-size 6 that divides the 48 images"),
@@ -497,21 +499,22 @@ def test_pretraining_prints_progress_without_changing_what_it_trains(tmp_path):
 
 
 def test_blocking_sync_runs_a_script_as_python_would(tmp_path):
-    """blocking_sync.py hands the script its arguments, __name__ == "__main__", its own directory first on sys.path
-    and its exit status (without a CUDA driver, as here, it only runs it); a missing script is one line."""
+    """blocking_sync.py hands the script its arguments, __name__ == "__main__", its own directory
+    first on sys.path and its exit status (without a CUDA driver, as here, it only runs it); a
+    missing script is one line."""
     script = tmp_path / "tool" / "script.py"
     script.parent.mkdir()
     script.write_text("import json, sys\n"
                       "print(json.dumps([__name__, sys.argv, sys.path[0], __file__]))\n"
                       "sys.exit(3)\n")
     launcher = ROOT / "benchmark" / "ocr_proxy" / "blocking_sync.py"
-    ran = subprocess.run([sys.executable, str(launcher), str(script), "--flag", "a b"], capture_output=True,
-                         text=True, cwd=tmp_path)
+    ran = subprocess.run([sys.executable, str(launcher), str(script), "--flag", "a b"],
+                         capture_output=True, text=True, cwd=tmp_path)
     assert ran.returncode == 3, ran.stderr
     name, argv, first_path, file = json.loads(ran.stdout)
-    assert (name, argv, first_path, file) == ("__main__", [str(script), "--flag", "a b"], str(script.parent),
-                                              str(script))
-    missing = subprocess.run([sys.executable, str(launcher), "nothing.py"], capture_output=True, text=True,
-                             cwd=tmp_path)
+    assert (name, argv) == ("__main__", [str(script), "--flag", "a b"])
+    assert (first_path, file) == (str(script.parent), str(script))
+    missing = subprocess.run([sys.executable, str(launcher), "nothing.py"], capture_output=True,
+                             text=True, cwd=tmp_path)
     assert missing.returncode == 1
     assert missing.stderr.strip() == "blocking_sync.py: error: nothing.py: no such script"

@@ -1,7 +1,7 @@
 """Run a Python script with CUDA's blocking synchronisation: a thread that waits for the GPU sleeps
 instead of spinning on a core.
 
-    python benchmark/ocr_proxy/blocking_sync.py crd.py --model ...     # as `python crd.py --model ...`
+    python benchmark/ocr_proxy/blocking_sync.py crd.py --model ...  # as `python crd.py ...`
 
 CUDA's default spins while a thread waits, when the process has fewer contexts than the machine has
 cores. Many trainers sharing one GPU each wait while the others' kernels run, and their spinning
@@ -21,7 +21,8 @@ CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 
 
 def set_blocking_sync() -> int:
-    """Sets the flag on every visible GPU's primary context; the number of GPUs (0: no driver or GPU)."""
+    """Sets the flag on every visible GPU's primary context; the number of GPUs (0: no driver or
+    GPU)."""
     try:
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -29,10 +30,13 @@ def set_blocking_sync() -> int:
     count = ctypes.c_int()
     if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)):
         return 0
-    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
+    set_flags = (getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None)
+                 or driver.cuDevicePrimaryCtxSetFlags)
     for ordinal in range(count.value):
         device = ctypes.c_int()
-        if driver.cuDeviceGet(ctypes.byref(device), ordinal) or set_flags(device, CU_CTX_SCHED_BLOCKING_SYNC):
+        refused = (driver.cuDeviceGet(ctypes.byref(device), ordinal)
+                   or set_flags(device, CU_CTX_SCHED_BLOCKING_SYNC))
+        if refused:
             sys.exit(f"blocking_sync.py: error: the CUDA driver refused the flag of GPU {ordinal}")
     return count.value
 

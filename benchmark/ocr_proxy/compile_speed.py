@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # (trainer flag given after the driver's own --no-compile, so the last flag wins; the pool's engine;
 # the trainers' CUDA blocking synchronisation)
 SETTINGS = {"eager": ("", "onnxruntime", False), "compiled": ("--compile", "onnxruntime", False),
-            "eager-openvino": ("", "openvino", False), "compiled-openvino": ("--compile", "openvino", False),
+            "eager-openvino": ("", "openvino", False),
+            "compiled-openvino": ("--compile", "openvino", False),
             "eager-openvino-blocking": ("", "openvino", True)}
 
 

@@ -29,8 +29,8 @@ import tyro
 
 # arguments that say only how or where a call ran, not what a run is
 PER_CALL = {"out", "seeds", "time_limit_s", "resume", "algorithms", "variants", "ocr_workers",
-            "mps", "final_guidances", "final_scores", "kl_only_control", "eval_every", "blocking_sync",
-            "final_score_workers"}
+            "mps", "final_guidances", "final_scores", "kl_only_control", "eval_every",
+            "blocking_sync", "final_score_workers"}
 # the pretraining arguments that only pace its progress lines
 PRETRAIN_PER_CALL = {"out", "progress_every_s", "ocr_workers", "time_cap_s"}
 # arguments run_benchmark gained after reports were kept, with what a report without one ran

@@ -191,7 +191,8 @@ def check_args(args: Args) -> None:
             fail(f"--variants {variant!r}: a second variant named {name!r} for {sorted(named & runs)[0][0]}")
         runs |= named
     if args.final_score_workers < 0:
-        fail(f"--final-score-workers {args.final_score_workers}: 0 (the driver samples them) or more")
+        fail(f"--final-score-workers {args.final_score_workers}: 0 (the driver samples them) or "
+             "more")
     if args.trainer_threads < 0:
         fail(f"--trainer-threads {args.trainer_threads}: 0 (torch's default) or more")
     if args.ocr_engine != "onnxruntime" and args.scorer != "pool":
