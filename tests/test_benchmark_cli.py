@@ -680,7 +680,8 @@ def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their
             usage = measured["usage"]
             rows[name, setting.endswith("blocking"), len(medians)] = (
                 rate, usage["trainers_cpu_s"] / measured["run_iterations"],
-                usage["machine_cpu_busy_percent"])
+                usage["machine_cpu_busy_percent"], f"{min(medians):.2f}–{max(medians):.2f} s",
+                (min(medians), max(medians)))
     pairs = {6: ("call5_6runs", "call3_6runs"), 12: ("call4_12runs", "call3_12runs"),
              18: ("call2", "call2")}
     shown = re.sub(r"\s+", " ", (ROOT / "docs" / "ocr-proxy.md").read_text())
@@ -695,6 +696,17 @@ def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their
     assert (f"**CUDA's blocking synchronisation in the trainers: {gains[0]}, {gains[1]} and "
             f"{gains[2]}") in results
     assert f"CPU a run-iteration {min(cuts):.0f}–{max(cuts):.0f}% lower" in results
+    assert (f"at 12 runs ({rows['call3_12runs', True, 12][3]} with it, "
+            f"{rows['call4_12runs', False, 12][3]} without) and at 18 "
+            f"({rows['call2', True, 18][3]}, {rows['call2', False, 18][3]})") in shown
+    assert (f"their median iterations apart ({rows['call1', True, 18][3]}, "
+            f"{rows['call1', False, 18][3]})") in shown
+    def overlap(plain, fast):
+        return fast[4][1] >= plain[4][0]  # the slowest run with it against the fastest without
+
+    assert overlap(rows["call4_12runs", False, 12], rows["call3_12runs", True, 12])
+    assert overlap(rows["call2", False, 18], rows["call2", True, 18])
+    assert not overlap(rows["call1", False, 18], rows["call1", True, 18])
     again = rows["call3_18runs", True, 18][0]
     other = rows["call1", False, 18], rows["call1", True, 18]
     assert f"made {again:.2f} again in the next call" in shown
