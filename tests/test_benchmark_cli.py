@@ -11,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import scipy.stats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -701,6 +703,25 @@ def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their
             f"({rows['call2', True, 18][3]}, {rows['call2', False, 18][3]})") in shown
     assert (f"their median iterations apart ({rows['call1', True, 18][3]}, "
             f"{rows['call1', False, 18][3]})") in shown
+    def paired(plain_call, fast_call, runs):
+        """A run's median iteration without over with, less 1: mean and 95% t interval over runs."""
+        plain, fast = ({run: r["median_iteration_s"] for r_name, setting in
+                        blocking["calls"][call]["report"]["settings"].items()
+                        if r_name.endswith("blocking") == with_it
+                        for run, r in setting["runs"].items()}
+                       for call, with_it in ((plain_call, False), (fast_call, True)))
+        assert sorted(plain) == sorted(fast) and len(plain) == runs  # the same runs in both
+        ratios = np.array([plain[run] / fast[run] - 1 for run in plain])
+        half = scipy.stats.t.ppf(0.975, runs - 1) * ratios.std(ddof=1) / np.sqrt(runs)
+        return (f"{100 * ratios.mean():+.1f}% [{100 * (ratios.mean() - half):+.1f}%, "
+                f"{100 * (ratios.mean() + half):+.1f}%]").replace("-", "−")
+
+    at_6, at_12, at_18 = (paired(*pairs[runs], runs) for runs in (6, 12, 18))
+    assert f"took {at_6}, {at_12} and {at_18} longer at 6, 12 and 18 runs" in shown
+    assert f"took {at_6}, {at_12} and {at_18} longer without it" in results
+    assert f"{rows['call1', False, 18][3]}), paired {paired('call1', 'call1', 18)}." in shown
+    assert f"another machine and base; {paired('call1', 'call1', 18)})" in results
+
     def overlap(plain, fast):
         return fast[4][1] >= plain[4][0]  # the slowest run with it against the fastest without
 
