@@ -97,3 +97,28 @@ def test_a_trainer_run_by_the_server_is_the_fresh_interpreter_s_bitwise(tiny_mod
     timed = re.compile(r' s\b|_s"|per_s|mem|GiB|actor rank', re.I)  # timings and memory vary
     assert [line for line in out.splitlines() if not timed.search(line)] == [
         line for line in expected_out.splitlines() if not timed.search(line)]
+
+
+def test_an_environment_the_server_cannot_start_in_runs_fresh_interpreters(
+        tmp_path, monkeypatch, servers_of_its_own):
+    """A sitecustomize that blocks peft kills the server as it imports: the script runs in a fresh
+    interpreter, as `python SCRIPT` would, and so does the next call in that environment."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "peft":
+                    raise ModuleNotFoundError("No module named 'peft'", name=name)
+        sys.meta_path.insert(0, Block())
+    """))
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    monkeypatch.setattr(zygote, "MOST_SERVERS", len(servers_of_its_own) + 1)  # room for its server
+    for _ in range(2):
+        served = zygote.run([sys.executable, str(script), "3"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+        assert served.returncode == 3, served.stderr
+        assert int(served.stdout.split("parent ")[1].split()[0]) == os.getpid()
+    (server,) = [s for key, s in servers_of_its_own.items() if ("PYTHONPATH", str(tmp_path)) in key]
+    assert server.failed

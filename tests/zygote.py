@@ -7,7 +7,9 @@ real process of its own, minus the ~7.6 s of imports a trainer run spends on CI'
 Anything else goes to subprocess.run as it is: a command that is not a Python script, stdin input,
 or output not captured as text. The variables read while Python and those libraries start
 (threads, devices, the hub, PYTHONPATH) are the server's own: each set of them gets a server of its
-own, started at its first call in a test process and ended with it (at most MOST_SERVERS).
+own, started at its first call in a test process and ended with it (at most MOST_SERVERS). A server
+that cannot start in an environment (one whose sitecustomize blocks a library, say) leaves that
+environment to fresh interpreters.
 """
 
 import atexit
@@ -38,16 +40,21 @@ class Server:
     def __init__(self, env: dict):
         self.process = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=env)
+        self.failed = False  # it exited before its first reply: it cannot start in env
         atexit.register(self.close)
 
     def reply(self, timeout_s=None) -> dict | None:
+        """The server's next line; None past timeout_s; {} once it has exited."""
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        return json.loads(self.process.stdout.readline()) if ready else None
+        line = self.process.stdout.readline() if ready else None
+        return None if line is None else json.loads(line) if line else {}
 
     def close(self):
-        if self.process.poll() is None:
+        try:
             self.process.stdin.close()
-            self.process.wait()
+        except BrokenPipeError:  # it exited with a request unread
+            pass
+        self.process.wait()
 
 
 _servers = {}  # read_at_import(env): the server started with those variables
@@ -64,9 +71,10 @@ def run(cmd, *, cwd=None, env=None, timeout=None, check=False, capture_output=Fa
                               capture_output=capture_output, text=text, **kwargs)
     key = read_at_import(env)
     if key not in _servers and len(_servers) < MOST_SERVERS or (
-            key in _servers and _servers[key].process.poll() is not None):
+            key in _servers and _servers[key].process.poll() is not None
+            and not _servers[key].failed):
         _servers[key] = Server(env)
-    if key not in _servers:
+    if key not in _servers or _servers[key].failed:
         return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, check=check,
                               capture_output=True, text=True)
     server = _servers[key]
@@ -74,9 +82,17 @@ def run(cmd, *, cwd=None, env=None, timeout=None, check=False, capture_output=Fa
         out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
         request = {"argv": argv[1:], "cwd": str(cwd or os.getcwd()), "env": env,
                    "stdout": str(out), "stderr": str(err)}
-        server.process.stdin.write(json.dumps(request) + "\n")
-        server.process.stdin.flush()
-        pid = server.reply()["pid"]
+        try:
+            server.process.stdin.write(json.dumps(request) + "\n")
+            server.process.stdin.flush()
+        except BrokenPipeError:  # it has already exited: reply() says so
+            pass
+        started = server.reply()
+        if not started:
+            server.failed = True
+            return subprocess.run(cmd, cwd=cwd, env=env, timeout=timeout, check=check,
+                                  capture_output=True, text=True)
+        pid = started["pid"]
         ended = server.reply(timeout)
         if ended is None:
             os.kill(pid, signal.SIGKILL)
