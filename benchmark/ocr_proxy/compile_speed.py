@@ -2,8 +2,9 @@
 trainers' --compile: the transformer blocks and the VAE decoder), on one GPU and the same pretrained
 base: run-iterations a second, each run's steady iteration, and what the runs used of the machine
 (run_benchmark's `usage`). The `-openvino` settings run the same with the PP-OCR pool on OpenVINO
-(run_benchmark's --ocr-engine openvino) instead of ONNX Runtime, and `-blocking` with the trainers'
-CUDA blocking synchronisation (run_benchmark's --blocking-sync).
+(run_benchmark's --ocr-engine openvino) instead of ONNX Runtime, `-blocking` with the trainers'
+CUDA blocking synchronisation (run_benchmark's --blocking-sync) and `-mps` with the trainers' kernels
+sharing the GPU through NVIDIA's MPS daemon (run_benchmark's --mps).
 
     python benchmark/ocr_proxy/compile_speed.py --out compile_speed.json --bench.out /tmp/cs
 
@@ -35,20 +36,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.ocr_proxy import pretrain, run_benchmark  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-# (trainer flag given after the driver's own --no-compile, so the last flag wins; the pool's engine;
-# the trainers' CUDA blocking synchronisation)
-SETTINGS = {"eager": ("", "onnxruntime", False), "compiled": ("--compile", "onnxruntime", False),
-            "eager-openvino": ("", "openvino", False),
-            "compiled-openvino": ("--compile", "openvino", False),
-            "eager-openvino-blocking": ("", "openvino", True)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    trainer_flag: str = ""
+    """given after the driver's own --no-compile, so the last flag wins"""
+    ocr_engine: Literal["onnxruntime", "openvino"] = "onnxruntime"
+    """the PP-OCR pool's runtime"""
+    blocking_sync: bool = False
+    """the trainers' CUDA blocking synchronisation"""
+    mps: bool = False
+    """the trainers' kernels share the GPU through NVIDIA's MPS daemon"""
+
+
+SETTINGS = {"eager": Setting(), "compiled": Setting("--compile"),
+            "eager-openvino": Setting(ocr_engine="openvino"),
+            "compiled-openvino": Setting("--compile", "openvino"),
+            "eager-openvino-blocking": Setting(ocr_engine="openvino", blocking_sync=True),
+            "eager-openvino-blocking-mps": Setting(ocr_engine="openvino", blocking_sync=True,
+                                                   mps=True)}
 
 
 @dataclass
 class Args:
     out: str
     """the report (JSON), written after each setting"""
-    settings: list[Literal["eager", "compiled", "eager-openvino", "compiled-openvino",
-                           "eager-openvino-blocking"]] = field(
+    settings: list[Literal[tuple(SETTINGS)]] = field(  # type: ignore[valid-type]
         default_factory=lambda: ["eager", "compiled"])
     """the settings timed, one after the other"""
     skip: int = 5
@@ -78,11 +92,12 @@ def steady(run_dir: Path, skip: int) -> dict:
 
 
 def run_setting(args: Args, name: str) -> dict:
-    flag, engine, blocking = SETTINGS[name]
-    limit_s = args.bench.time_limit_s + (args.compile_s if flag else 0)
+    setting = SETTINGS[name]
+    limit_s = args.bench.time_limit_s + (args.compile_s if setting.trainer_flag else 0)
     bench = replace(args.bench, out=str(Path(args.bench.out) / name), time_limit_s=limit_s,
-                    trainer_args=f"{flag} {args.bench.trainer_args}".strip(), ocr_engine=engine,
-                    blocking_sync=blocking)
+                    trainer_args=f"{setting.trainer_flag} {args.bench.trainer_args}".strip(),
+                    ocr_engine=setting.ocr_engine, blocking_sync=setting.blocking_sync,
+                    mps=setting.mps)
     began = time.perf_counter()
     report = run_benchmark.main(bench)
     runs = {run: {**steady(Path(bench.out) / "runs" / run, args.skip),
@@ -90,8 +105,8 @@ def run_setting(args: Args, name: str) -> dict:
             for run in report["return_codes"]}
     medians = [r["median_iteration_s"] for r in runs.values() if r["median_iteration_s"]]
     run_iterations = sum(r["iterations"] for r in runs.values())
-    return {"trainer_args": bench.trainer_args, "ocr_engine": engine, "blocking_sync": blocking,
-            "time_limit_s": limit_s,
+    return {"trainer_args": bench.trainer_args, "ocr_engine": setting.ocr_engine,
+            "blocking_sync": setting.blocking_sync, "mps": setting.mps, "time_limit_s": limit_s,
             "wall_s": time.perf_counter() - began, "phases_s": report["phases_s"], "runs": runs,
             "run_iterations": run_iterations,
             "run_iterations_per_s_of_rl": run_iterations / report["phases_s"]["rl"],
