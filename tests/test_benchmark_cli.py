@@ -646,8 +646,9 @@ def test_ocr_proxy_docs_give_the_18_runs_and_the_target_from_their_files():
     best = compiled["settings"]["compiled-openvino"]["steady_run_iterations_per_s"]
     eager = six["settings"]["eager-openvino"]["steady_run_iterations_per_s"]
     work = 3 * 10 * 225
+    history = re.sub(r"\s+", " ", (ROOT / "benchmark" / "HISTORY.md").read_text())
     assert (f"take {work / best:.0f}–{work / eager:.0f} s of training at 6 runs' "
-            f"{eager:.2f}–{best:.2f} a second") in shown
+            f"{eager:.2f}–{best:.2f} a second") in history
     pretrain = sorted([six["pretrain_s"], many["pretrain_s"]])
     ten = json.loads((results_dir / "ocr_proxy_three_way_10seeds_h200.json").read_text())
     per_run = sorted(call["final_scores_s"] / 5 for call in ten["calls"].values())
@@ -657,14 +658,15 @@ def test_ocr_proxy_docs_give_the_18_runs_and_the_target_from_their_files():
     assert (f"with pretraining ({pretrain[0]:.0f}–{pretrain[1]:.0f} s) and the final scores of 30 "
             f"runs ({per_run[0]:.1f}–{per_run[-1]:.1f} s a run in the 10-seed calls: "
             f"{30 * per_run[0]:.0f}–{30 * per_run[-1]:.0f} s), that is {least:,.0f}–{most:,.0f} s "
-            "before any validation") in shown
-    results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+            "before any validation") in history
     assert (f"3 × 10 × 225 iterations are {work / best:.0f}–{work / eager:.0f} s of training; with "
             f"pretraining ({pretrain[0]:.0f}–{pretrain[1]:.0f} s) and 30 runs' final scores, "
-            f"{least:,.0f}–{most:,.0f} s before any validation") in results
-    assert f"**{rate:.2f}** run-iterations/s steady, {of_rl:.2f} over the training phase" in results
+            f"{least:,.0f}–{most:,.0f} s before any validation") in history
+    assert f"**{rate:.2f}** run-iterations/s steady, {of_rl:.2f} over the training phase" in history
     assert (f"every trainer waited {min(waits):.2f}–{max(waits):.2f} s of its "
-            f"{min(medians):.2f}–{max(medians):.2f} s iteration") in results
+            f"{min(medians):.2f}–{max(medians):.2f} s iteration") in history
+    results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    assert f"18 runs made **{rate:.2f}** run-iterations/s steady" in results
 
 
 def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their_files():
@@ -753,12 +755,98 @@ def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their
     eager = six["settings"]["eager-openvino"]["steady_run_iterations_per_s"]
     per_model = parallel / 19
     least, most = work / best + 31 * per_model, work / eager + 31 * per_model
+    history = re.sub(r"\s+", " ", (ROOT / "benchmark" / "HISTORY.md").read_text())
     assert (f"final scores of the 31 models at {per_model:.1f} s each, it is "
             f"{least:,.0f}–{most:,.0f} s, which leaves {1200 - most:.0f}–{1200 - least:.0f} s "
-            "of two calls") in shown
+            "of two calls") in history
     assert (f"{least:,.0f}–{most:,.0f} s, leaving {1200 - most:.0f}–{1200 - least:.0f} s "
-            "of two calls") in results
+            "of two calls") in history
 
+
+
+def test_ocr_proxy_docs_give_mps_and_the_half_of_the_target_from_their_files():
+    """MPS's rates, CPU and paired gains in the docs and RESULTS.md come from the runs' own
+    figures (15 runs in both settings in each of two calls, in both orders); the 5-seed half's
+    timings, the target's arithmetic and the comparison come from its file."""
+    results_dir = ROOT / "benchmark/results"
+    mps = json.loads((results_dir / "ocr_proxy_mps_h100.json").read_text())
+    rows = {}
+    for call, reports in mps["calls"].items():
+        for report in reports.values():
+            for setting, measured in report["settings"].items():
+                medians = {run: r["median_iteration_s"] for run, r in measured["runs"].items()}
+                rate = sum(1 / median for median in medians.values())
+                assert rate == pytest.approx(measured["steady_run_iterations_per_s"])
+                assert measured["mps"] == setting.endswith("-mps") and measured["blocking_sync"]
+                cpu = measured["usage"]["trainers_cpu_s"] / measured["run_iterations"]
+                rows[call, measured["mps"], len(medians)] = rate, cpu, medians
+    shown = re.sub(r"\s+", " ", (ROOT / "docs" / "ocr-proxy.md").read_text())
+    results = re.sub(r"\s+", " ", (ROOT / "benchmark" / "RESULTS.md").read_text())
+    gains, with_mps = [], []
+    for call, order in (("callA", "without first"), ("callB", "with first")):
+        plain, fast = rows[call, False, 15], rows[call, True, 15]
+        assert (f"| {call[-1]}, {order} | {plain[0]:.2f} → {fast[0]:.2f} | "
+                f"{plain[1]:.2f} → {fast[1]:.2f} |") in shown
+        ratios = np.array([plain[2][run] / fast[2][run] - 1 for run in plain[2]])
+        assert sorted(plain[2]) == sorted(fast[2])  # the same runs in both settings
+        half = scipy.stats.t.ppf(0.975, 14) * ratios.std(ddof=1) / np.sqrt(15)
+        gains.append(f"{100 * ratios.mean():+.1f}% [{100 * (ratios.mean() - half):+.1f}%, "
+                     f"{100 * (ratios.mean() + half):+.1f}%]")
+        with_mps.append(fast[0])
+    assert f"took {gains[0]} and {gains[1]} longer" in shown and gains[0] in results
+    assert f"took {gains[0]} and {gains[1]} longer without it" in results
+    lowest = min(float(gain.split("%")[0]) for gain in gains)
+    highest = max(float(gain.split("%")[0]) for gain in gains)
+    assert f"+{lowest:.0f}–{highest:.0f}% at 15 runs" in results
+    others = [rows["callB", True, 12][0], rows["callB", True, 18][0], rows["callA", True, 21][0]]
+    assert max(others) < min(with_mps)  # "15 at once is the best measured"
+    assert (f"12 runs made {others[0]:.2f}, 18 runs {others[1]:.2f} and 21 runs (call A) "
+            f"{others[2]:.2f}") in shown
+    assert (f"12, 18 and 21 runs made {others[0]:.2f}, {others[1]:.2f} and {others[2]:.2f}: 15 at "
+            "once is the best measured") in results
+    half = json.loads((results_dir / "ocr_proxy_defaults_5seeds_mps_h100.json").read_text())
+    bench = half["benchmark"]
+    assert bench["args"]["mps"] and bench["args"]["ocr_engine"] == "onnxruntime"
+    assert all(run["completed"] and run["iterations"] == 225 for run in bench["runs"].values())
+    rl = half["calls"]["first"]["rl_s_limit"] + bench["phases_s"]["rl"]
+    iteration = sum(run["mean_iteration_s"] for run in bench["runs"].values()) / 15
+    other = rl - 225 * iteration
+    tail = bench["phases_s"]["final_scores"] + bench["phases_s"]["report"]
+    calls = half["calls"]["first"]["wall_s"] + half["calls"]["second"]["wall_s"]
+    assert calls > 600  # half of the target did not fit one call
+    assert (f"took two calls, {calls:.1f} s: the first stopped at its 540 s limit, the second "
+            f"resumed the runs (`--resume`) for {bench['phases_s']['rl']:.1f} s of RL, then "
+            f"{bench['phases_s']['final_scores']:.1f} s of final scores and "
+            f"{bench['phases_s']['report']:.1f} s of report") in shown
+    assert (f"That is {3375 / rl:.2f} run-iterations a second over the RL, {15 / iteration:.2f} "
+            f"in the iterations themselves (15 runs at {iteration:.3f} s); the other {other:.1f} s")\
+        in shown
+    least, most = 3375 / max(with_mps), 3375 / min(with_mps)
+    per_call = least + other + tail, most + other + tail
+    assert (f"a half would take {least:.0f}–{most:.0f} s of iterations, plus that half's "
+            f"{other:.1f} s of validations and start-ups and {tail:.1f} s of final scores and "
+            f"report: {per_call[0]:.0f}–{per_call[1]:.0f} s a call, {2 * per_call[0]:,.0f}–"
+            f"{2 * per_call[1]:,.0f} s for the two") in shown
+    assert (f"took {calls:.1f} s of two calls (890973d, 2026-12-06, one H100, "
+            f"`ocr_proxy_defaults_5seeds_mps_h100.json`): {3375 / rl:.2f} run-iterations/s over the "
+            f"RL, {15 / iteration:.2f} in the iterations, {other:.1f} s of validations and start-ups, "
+            f"then {tail:.1f} s of final scores and report") in results
+    assert (f"{per_call[0]:.0f}–{per_call[1]:.0f} s a call, {2 * per_call[0]:,.0f}–"
+            f"{2 * per_call[1]:,.0f} s for the two") in results
+    from benchmark.ocr_proxy import compare
+    scores = compare.protocols(bench, None, "half")["validation at iteration 225"]
+    result = compare.compare(scores, "half")
+    means = {label: group["mean"] for label, group in result["groups"].items()}
+    diffs = {(r["a"], r["b"]): r for r in result["differences"]}
+
+    def shown_diff(a, b):
+        r = diffs[a, b]
+        return (f"{r['diff']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]").replace("-", "−")
+
+    assert (f"CRD {means['crd']:.3f}, DGPO {means['dgpo']:.3f}, DiffusionNFT {means['nft']:.3f}; "
+            f"CRD − DGPO {shown_diff('crd', 'dgpo')}, CRD − DiffusionNFT "
+            f"{shown_diff('crd', 'nft')}, DGPO − DiffusionNFT {shown_diff('dgpo', 'nft')} "
+            f"(these seeds detect {diffs['dgpo', 'nft']['mde']:.3f})") in results
 
 def test_the_pretrained_base_repeats_on_one_gpu_kind_and_not_across_two():
     """The H100 file's hashes (two runs alike) against the H200 file's: only the autoencoder's
