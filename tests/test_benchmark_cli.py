@@ -818,9 +818,10 @@ def test_ocr_proxy_docs_give_mps_and_the_half_of_the_target_from_their_files():
             f"resumed the runs (`--resume`) for {bench['phases_s']['rl']:.1f} s of RL, then "
             f"{bench['phases_s']['final_scores']:.1f} s of final scores and "
             f"{bench['phases_s']['report']:.1f} s of report") in shown
-    assert (f"That is {3375 / rl:.2f} run-iterations a second over the RL, {15 / iteration:.2f} "
-            f"in the iterations themselves (15 runs at {iteration:.3f} s); the other {other:.1f} s")\
-        in shown
+    rates = (f"That is {3375 / rl:.2f} run-iterations a second over the RL, {15 / iteration:.2f} "
+             f"in the iterations themselves (15 runs at {iteration:.3f} s); the other "
+             f"{other:.1f} s")
+    assert rates in shown
     least, most = 3375 / max(with_mps), 3375 / min(with_mps)
     per_call = least + other + tail, most + other + tail
     assert (f"a half would take {least:.0f}–{most:.0f} s of iterations, plus that half's "
@@ -828,9 +829,9 @@ def test_ocr_proxy_docs_give_mps_and_the_half_of_the_target_from_their_files():
             f"report: {per_call[0]:.0f}–{per_call[1]:.0f} s a call, {2 * per_call[0]:,.0f}–"
             f"{2 * per_call[1]:,.0f} s for the two") in shown
     assert (f"took {calls:.1f} s of two calls (890973d, 2026-12-06, one H100, "
-            f"`ocr_proxy_defaults_5seeds_mps_h100.json`): {3375 / rl:.2f} run-iterations/s over the "
-            f"RL, {15 / iteration:.2f} in the iterations, {other:.1f} s of validations and start-ups, "
-            f"then {tail:.1f} s of final scores and report") in results
+            f"`ocr_proxy_defaults_5seeds_mps_h100.json`): {3375 / rl:.2f} run-iterations/s over "
+            f"the RL, {15 / iteration:.2f} in the iterations, {other:.1f} s of validations and "
+            f"start-ups, then {tail:.1f} s of final scores and report") in results
     assert (f"{per_call[0]:.0f}–{per_call[1]:.0f} s a call, {2 * per_call[0]:,.0f}–"
             f"{2 * per_call[1]:,.0f} s for the two") in results
     from benchmark.ocr_proxy import compare

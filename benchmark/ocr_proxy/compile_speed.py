@@ -3,8 +3,8 @@ trainers' --compile: the transformer blocks and the VAE decoder), on one GPU and
 base: run-iterations a second, each run's steady iteration, and what the runs used of the machine
 (run_benchmark's `usage`). The `-openvino` settings run the same with the PP-OCR pool on OpenVINO
 (run_benchmark's --ocr-engine openvino) instead of ONNX Runtime, `-blocking` with the trainers'
-CUDA blocking synchronisation (run_benchmark's --blocking-sync) and `-mps` with the trainers' kernels
-sharing the GPU through NVIDIA's MPS daemon (run_benchmark's --mps).
+CUDA blocking synchronisation (run_benchmark's --blocking-sync) and `-mps` with the trainers'
+kernels sharing the GPU through NVIDIA's MPS daemon (run_benchmark's --mps).
 
     python benchmark/ocr_proxy/compile_speed.py --out compile_speed.json --bench.out /tmp/cs
 
