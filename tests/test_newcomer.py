@@ -12,11 +12,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -65,11 +66,15 @@ def working_copy(tmp_path):
 
 
 def run(argv, work, env, timeout):
-    """argv run in `work`, README's `python` being this interpreter; a failure shows its output."""
+    """argv run in `work`, README's `python` being this interpreter; a failure shows its output.
+
+    A `python SCRIPT.py` (the demo, evaluate.py) runs in a process of its own forked by
+    tests/zygote.py's server, which has imported torch, diffusers and transformers once (the two
+    scripts would each import them again); the script itself runs in `work`, as README's command.
+    """
     if argv[0] == "python":
         argv = [sys.executable, *argv[1:]]
-    result = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = zygote.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert result.returncode == 0, f"{shlex.join(argv)}: exit {result.returncode}\n{output}"
     return result
