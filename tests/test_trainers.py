@@ -252,8 +252,10 @@ def test_interrupted_checkpoint_is_never_picked_up(tmp_path, tiny_model_dir, mon
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_checkpoint(tmp_path, 2, pipe.transformer, optimizer, {"iteration": 2}, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1"]  # intact, nothing half-written left
-    result = subprocess.run([sys.executable, "crd.py", "--resume-from", str(tmp_path / "global_step_2")], cwd=ROOT,
-                            capture_output=True, text=True)
+    # forked from tests/zygote.py's server, which the module's runs started: no second import
+    resume = ["--resume-from", str(tmp_path / "global_step_2")]
+    result = zygote.run([sys.executable, "crd.py", *resume], cwd=ROOT, capture_output=True,
+                        text=True)
     assert result.returncode != 0 and "not a checkpoint directory" in result.stderr and "Traceback" not in result.stderr
 
 
