@@ -23,6 +23,7 @@ from data import load_prompts
 from ocr_reward import PaddleScorer, make_scorer
 import rollout
 import sd3
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -475,10 +476,11 @@ def test_pretraining_prints_progress_without_changing_what_it_trains(tmp_path):
     for name in ("vae_steps", "vae_batch_size", "steps", "batch_size", "eval_every", "eval_words",
                  "validation_steps", "rollout_steps", "target", "ocr_workers"):
         flags += [f"--{name.replace('_', '-')}", str(getattr(quiet, name))]
-    result = subprocess.run([sys.executable, "benchmark/ocr_proxy/pretrain.py", "--out",
-                             str(tmp_path / "loud"), "--device", "cpu", "--model", "tiny", *flags,
-                             "--progress-every-s", "0"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
+    # forked from tests/zygote.py's server where the worker has one: torch and diffusers imported
+    result = zygote.run([sys.executable, "benchmark/ocr_proxy/pretrain.py", "--out",
+                         str(tmp_path / "loud"), "--device", "cpu", "--model", "tiny", *flags,
+                         "--progress-every-s", "0"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [line for line in result.stdout.splitlines()
              if re.match(r"pretrain: \w+ step \d", line)]
