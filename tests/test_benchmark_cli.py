@@ -15,12 +15,16 @@ import numpy as np
 import pytest
 import scipy.stats
 
+import zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*argv, env=None, timeout=300):
-    return subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """python SCRIPT ARGS in a process of its own, forked by tests/zygote.py's server where it can
+    (the scripts import torch: ~2 s a fresh interpreter)."""
+    return zygote.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True,
+                      text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_recipe_on_a_machine_without_a_gpu_is_one_line(tmp_path):

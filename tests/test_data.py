@@ -2,7 +2,6 @@
 
 import ast
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 
 from data import DataError, GroupSampler, convert, load_prompts
 from ocr_reward import ocr_score
+import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = Path(__file__).parent / "data" / "ocr"
@@ -35,8 +35,8 @@ def test_convert_sample_in_flow_grpo_format(tmp_path):
 
 
 def test_cli_converts_and_reports(tmp_path):
-    out = subprocess.run([sys.executable, "data.py", "--input", str(SAMPLE), "--output-dir", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
+    out = zygote.run([sys.executable, "data.py", "--input", str(SAMPLE), "--output-dir", str(tmp_path)],
+                     cwd=ROOT, capture_output=True, text=True, check=True)
     assert "train: 40 prompts written" in out.stdout and (tmp_path / "test.jsonl").is_file()
 
 
@@ -47,8 +47,8 @@ def test_missing_target_names_file_and_line(tmp_path):
         convert([tmp_path], tmp_path / "out")
     assert not (tmp_path / "out" / "train.jsonl").exists()
     assert convert([tmp_path], tmp_path / "out", skip_untargeted=True)["train"] == (1, 1)
-    cli = subprocess.run([sys.executable, "data.py", "--input", str(tmp_path), "--output-dir", str(tmp_path / "o")],
-                         cwd=ROOT, capture_output=True, text=True)
+    cli = zygote.run([sys.executable, "data.py", "--input", str(tmp_path), "--output-dir", str(tmp_path / "o")],
+                     cwd=ROOT, capture_output=True, text=True)
     assert cli.returncode == 1 and "train.txt:3" in cli.stderr and "Traceback" not in cli.stderr
 
 
@@ -78,7 +78,9 @@ def test_bad_jsonl_line_is_named(tmp_path):
 
 
 def data_cli(*args):
-    return subprocess.run([sys.executable, "data.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    """python data.py ARGS in a process of its own, forked by tests/zygote.py's server (data.py
+    imports torch: ~2 s a fresh interpreter)."""
+    return zygote.run([sys.executable, "data.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
 
 
 def assert_one_line_error(result, message):
