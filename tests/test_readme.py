@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
@@ -84,11 +86,10 @@ def test_every_readme_command_is_run_by_a_test_or_named_as_not_cpu_runnable():
 def test_the_entry_points_help_and_run_sh_usage_run():
     for script in ENTRY_POINTS:
         assert f"`{script}`" in README or f"{script} --help" in README, script
-    helps = {script: subprocess.Popen([sys.executable, script, "--help"], cwd=ROOT, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for script in ENTRY_POINTS}  # side by side: importing torch is most of each one's time
-    for script, process in helps.items():
-        output = process.communicate(timeout=120)[0]
+    for script in ENTRY_POINTS:  # forked by tests/zygote.py's server: torch imported once
+        process = zygote.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        output = process.stdout + process.stderr
         assert process.returncode == 0 and "usage:" in output, f"{script} --help:\n{output[-2000:]}"
     usage = subprocess.run(["bash", "run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert usage.returncode == 2 and "bash run.sh crd|dgpo|nft" in usage.stderr
