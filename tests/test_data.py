@@ -35,8 +35,8 @@ def test_convert_sample_in_flow_grpo_format(tmp_path):
 
 
 def test_cli_converts_and_reports(tmp_path):
-    out = zygote.run([sys.executable, "data.py", "--input", str(SAMPLE), "--output-dir", str(tmp_path)],
-                     cwd=ROOT, capture_output=True, text=True, check=True)
+    argv = [sys.executable, "data.py", "--input", str(SAMPLE), "--output-dir", str(tmp_path)]
+    out = zygote.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
     assert "train: 40 prompts written" in out.stdout and (tmp_path / "test.jsonl").is_file()
 
 
@@ -47,8 +47,7 @@ def test_missing_target_names_file_and_line(tmp_path):
         convert([tmp_path], tmp_path / "out")
     assert not (tmp_path / "out" / "train.jsonl").exists()
     assert convert([tmp_path], tmp_path / "out", skip_untargeted=True)["train"] == (1, 1)
-    cli = zygote.run([sys.executable, "data.py", "--input", str(tmp_path), "--output-dir", str(tmp_path / "o")],
-                     cwd=ROOT, capture_output=True, text=True)
+    cli = data_cli("--input", tmp_path, "--output-dir", tmp_path / "o")
     assert cli.returncode == 1 and "train.txt:3" in cli.stderr and "Traceback" not in cli.stderr
 
 
@@ -80,7 +79,8 @@ def test_bad_jsonl_line_is_named(tmp_path):
 def data_cli(*args):
     """python data.py ARGS in a process of its own, forked by tests/zygote.py's server (data.py
     imports torch: ~2 s a fresh interpreter)."""
-    return zygote.run([sys.executable, "data.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    return zygote.run([sys.executable, "data.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                      text=True)
 
 
 def assert_one_line_error(result, message):
