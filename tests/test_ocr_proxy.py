@@ -243,6 +243,10 @@ def test_the_benchmark_driver_runs_the_trainers_at_a_matched_budget_and_reports(
     for name in runs:
         run = report["runs"][name]
         assert [step for step, _ in run["eval"]] == [0, 1, 2] and run["iterations"] == 2
+        # every iteration's seconds, the first (its warm-up) apart from the summary's mean
+        assert [step for step, _ in run["iteration_s"]] == [1, 2]
+        assert run["mean_iteration_excludes"] == [1]
+        assert run["iteration_s"][1][1] == pytest.approx(run["mean_iteration_s"])
         scores = report["final_scores"][name]
         assert scores["checkpoint"] == "global_step_2"
         settings = json.loads((out / "runs" / name / "global_step_2" / "trainer_state.json").read_text())["args"]
@@ -326,6 +330,11 @@ def test_a_benchmark_stopped_part_way_goes_on_with_resume_to_the_same_runs(tmp_p
         curves = [run_benchmark.scalars(tmp_path / out / "runs" / "crd_seed3", tag) for out in ("straight", "stopped")]
         assert curves[0] == curves[1]
     assert [step for step, _ in resumed["runs"]["crd_seed3"]["eval"]] == [0, 1, 2]
+    # both parts' iteration times: each part's first is a warm-up, so the summary's mean has none
+    resumed_run = resumed["runs"]["crd_seed3"]
+    assert [step for step, _ in resumed_run["iteration_s"]] == [1, 2]
+    assert resumed_run["mean_iteration_excludes"] == [1, 2]
+    assert resumed_run["mean_iteration_s"] is None
     adapters = [load_file(tmp_path / out / "runs" / "crd_seed3" / "global_step_2" / "adapters.safetensors")
                 for out in ("straight", "stopped")]
     assert adapters[0].keys() == adapters[1].keys()

@@ -27,8 +27,9 @@ snapshot adapters never freeze (CRD_SNAPSHOTS), like DGPO's. Outputs in --out:
     grid_{run}_{first,last}_iteration{N}.png   the validation grids at the first and last validation
     benchmark.json               base scores, per-run results, the base's and each run's last checkpoint's held-out
                                  PP-OCR at every protocol (pool scorer), each with every word's score (per_prompt,
-                                 in eval_words' order: compare.py's input), the wall time of each phase and what
-                                 the runs used of the machine (usage)
+                                 in eval_words' order: compare.py's input), the seconds of
+                                 each run's every iteration (iteration_s), the wall time of
+                                 each phase and what the runs used of the machine (usage)
 
 The held-out validation uses the pretraining's validation protocol (`--pretrain.validation-guidance`, default CFG 1,
 and `--pretrain.validation-steps`, 40): the policy is trained to sample without guidance (CFG-1 rollouts), and
@@ -484,14 +485,17 @@ def main(args: Args) -> dict:
     curves, report["runs"], report["grids"] = {}, {}, []
     for algo, variant, seed in jobs:
         name, run_dir = run_name(algo, variant, seed), runs / run_name(algo, variant, seed)
-        held_out = next((c for c in (scalars(run_dir, tag) for tag in HELD_OUT_TAGS) if c), [])
-        rollout_reward = [] if variant == KL_ONLY else scalars(run_dir, "train/reward_mean")  # the control's: all 0
+        logged = {tag: list(steps.items()) for tag, steps in logged_scalars(run_dir).items()}
+        held_out = next((logged[tag] for tag in HELD_OUT_TAGS if logged.get(tag)), [])
+        # the control's rollout rewards are all 0
+        rollout_reward = [] if variant == KL_ONLY else logged.get("train/reward_mean", [])
         curve = {"held_out": held_out, "train/reward_mean": rollout_reward}
         label = f"{algo.upper()}, KL-only control" if variant == KL_ONLY else f"{algo.upper()} {variant}".strip()
         curves.setdefault(label, {})[seed] = curve
         summary = run_dir / "summary.json"
         report["runs"][name] = {**(json.loads(summary.read_text()) if summary.is_file() else {}), "eval": held_out,
-                                "per_prompt": per_prompt_scores(run_dir)}
+                                "per_prompt": per_prompt_scores(run_dir),
+                                "iteration_s": logged.get("perf/iteration_s", [])}
         report["grids"] += save_grids(run_dir, out, name)
     for variant in dict.fromkeys(name for _, name, _ in jobs):  # a table where every algorithm ran it
         every = all((algo, variant) in arguments for algo in args.algorithms)
