@@ -771,7 +771,9 @@ def test_ocr_proxy_docs_give_blocking_sync_and_the_final_scores_speed_from_their
 def test_ocr_proxy_docs_give_mps_and_the_half_of_the_target_from_their_files():
     """MPS's rates, CPU and paired gains in the docs and RESULTS.md come from the runs' own
     figures (15 runs in both settings in each of two calls, in both orders); the 5-seed half's
-    timings, the target's arithmetic and the comparison come from its file."""
+    timings and comparison come from its file, the superseded estimate (now in HISTORY.md) from
+    both, and the half measured on OpenVINO's pool, its arithmetic and its runs' match with the
+    ONNX Runtime half's from theirs."""
     results_dir = ROOT / "benchmark/results"
     mps = json.loads((results_dir / "ocr_proxy_mps_h100.json").read_text())
     rows = {}
@@ -827,20 +829,72 @@ def test_ocr_proxy_docs_give_mps_and_the_half_of_the_target_from_their_files():
              f"in the iterations themselves (15 runs at {iteration:.3f} s); the other "
              f"{other:.1f} s")
     assert rates in shown
+    history = re.sub(r"\s+", " ", (ROOT / "benchmark" / "HISTORY.md").read_text())
     least, most = 3375 / max(with_mps), 3375 / min(with_mps)
     per_call = least + other + tail, most + other + tail
     assert (f"a half would take {least:.0f}–{most:.0f} s of iterations, plus that half's "
             f"{other:.1f} s of validations, start-ups and first iterations (its reads on ONNX "
             f"Runtime) and {tail:.1f} s of final scores and report: {per_call[0]:.0f}–"
             f"{per_call[1]:.0f} s a call, {2 * per_call[0]:,.0f}–"
-            f"{2 * per_call[1]:,.0f} s for the two") in shown
+            f"{2 * per_call[1]:,.0f} s for the two") in history
     assert (f"took {calls:.1f} s of two calls (890973d, 2026-12-06, one H100, "
             f"`ocr_proxy_defaults_5seeds_mps_h100.json`): {3375 / rl:.2f} run-iterations/s over "
             f"the RL, {15 / iteration:.2f} in the iterations, {other:.1f} s of validations, "
             f"start-ups and first iterations, then {tail:.1f} s of final scores and "
             "report") in results
     assert (f"{per_call[0]:.0f}–{per_call[1]:.0f} s a call, {2 * per_call[0]:,.0f}–"
-            f"{2 * per_call[1]:,.0f} s for the two") in results
+            f"{2 * per_call[1]:,.0f} s for the two") in history
+    measured = json.loads((results_dir / "ocr_proxy_half_openvino_mps_h100.json").read_text())
+    part, call = measured["benchmark"], measured["call"]
+    assert part["args"]["mps"] and part["args"]["ocr_engine"] == "openvino"
+    assert part["args"]["eval_every"] == 75 and not part["args"]["final_scores"]
+    runs = list(part["runs"].values())
+    done = [run["iterations"] for run in runs]
+    assert len(runs) == 15 and all(run["stopped_by"] == "SIGTERM" for run in runs)
+    rl = part["phases_s"]["rl"]
+    mean = sum(run["mean_iteration_s"] for run in runs) / 15
+    first = sum(run["warmup_iteration_s"] for run in runs) / 15
+    rest = rl - sum(run["warmup_iteration_s"] + (run["iterations"] - 1) * run["mean_iteration_s"]
+                    for run in runs) / 15
+    driver = call["wall_s"] - call["benchmark_started_after_s"] - rl - part["phases_s"]["report"]
+    iterations = first + 224 * mean
+    whole = iterations + rest + driver + tail + call["setup_s"]
+    usage = part["usage"]
+    cost = {who: usage[f"{who}_cpu_s"] / sum(done) for who in ("trainers", "ocr_pool", "driver")}
+    assert f"stopped at {min(done)}–{max(done)} of their 225 iterations" in shown
+    assert (f"They made {sum(done) / rl:.2f} run-iterations a second over the RL and "
+            f"{15 / mean:.2f} in the iterations (15 runs at {mean:.3f} s, their first {first:.2f} "
+            f"s); the other {rest:.1f} s of RL") in shown
+    busy = usage["machine_cpu_busy_percent"]
+    assert (f"A run-iteration cost {sum(cost.values()):.2f} core-seconds of the 16 cores (the "
+            f"trainers {cost['trainers']:.2f}, the pool {cost['ocr_pool']:.2f}, the driver "
+            f"{cost['driver']:.2f}), the CPU {busy:.0f}% busy") in shown
+    assert (f"a whole half's iterations take {iterations:.1f} s; with that {rest:.1f} s, the "
+            f"driver's {driver:.1f} s of start and exit, the ONNX Runtime half's {tail:.1f} s of "
+            f"final scores and report and {call['setup_s']} s of set-up, a call takes "
+            f"{whole:.1f} s before its validations at 150 and 225, which leaves them and any "
+            f"slower iteration {600 - whole:.1f} s of the 600") in shown
+    assert 0 < 600 - whole < 10
+    windows = [report["settings"]["eager-openvino-blocking-mps"]
+               for reports in mps["calls"].values() for report in reports.values()
+               if len(report["args"]["bench"]["seeds"]) == 5]
+    medians = [run["median_iteration_s"] for window in windows for run in window["runs"].values()]
+    skipped = {report["args"]["skip"] for reports in mps["calls"].values()
+               for report in reports.values()}
+    reached = max(run["iterations"] for window in windows for run in window["runs"].values())
+    assert (f"median iterations of {min(medians):.2f}–{max(medians):.2f} s over iterations "
+            f"{skipped.pop() + 1}–{reached} on another H100 machine; these are means over "
+            f"iterations 2–{max(done)}") in shown
+    for name, run in part["runs"].items():  # the same runs on either pool runtime
+        assert sorted(run["per_prompt"]) == ["0", "75"]
+        for step in ("0", "75"):
+            assert len(run["per_prompt"][step]) == 128
+            assert run["per_prompt"][step] == bench["runs"][name]["per_prompt"][step]
+    assert ("Every run's 128 per-prompt validation scores at iterations 0 and 75 equal those of "
+            "the ONNX Runtime half") in shown
+    assert (f"the same 15 runs made {15 / mean:.2f} run-iterations/s in iterations "
+            f"2–{max(done)}, a run-iteration costing {sum(cost.values()):.2f} core-s of 16 cores, "
+            f"the CPU {busy:.0f}% busy: a whole half would take {whole:.1f} s of a 600 s call") in results
     from benchmark.ocr_proxy import compare
     scores = compare.protocols(bench, None, "half")["validation at iteration 225"]
     result = compare.compare(scores, "half")
