@@ -315,8 +315,11 @@ class VLLMScorer:
         if not urls:
             raise ValueError("the vllm scorer needs at least one server URL")
         self.requests, self.urls, self.model = requests, [u.rstrip("/") for u in urls], model
-        self.concurrency, self.max_new_tokens = concurrency, max_new_tokens
+        self.max_new_tokens = max_new_tokens
         self.timeout, self.max_retries = timeout, max_retries
+        # threads and their HTTP sessions live as long as the scorer: each thread keeps its
+        # connections open (keep-alive) rather than opening one an image
+        self.threads, self.sessions = ThreadPoolExecutor(concurrency), threading.local()
         self.backoff = 0.25  # seconds before the first retry, doubled for each further one
         # next() on it is atomic under the GIL, so threads share it safely
         self.counter = itertools.count()
@@ -355,7 +358,9 @@ class VLLMScorer:
     def transcribe(self, image: Image.Image) -> str:
         url = self.urls[next(self.counter) % len(self.urls)]
         buffer = io.BytesIO()
-        image.save(buffer, format="PNG")  # lossless, so the server reads exactly our pixels
+        # lossless at any level, so the server reads exactly our pixels; level 1 encodes a
+        # 128-pixel render 3.5x faster than PIL's default 6, for about a sixth more bytes
+        image.save(buffer, format="PNG", compress_level=1)
         data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
         content = [{"type": "image_url", "image_url": {"url": data_url}},
                    {"type": "text", "text": INSTRUCTION}]
@@ -365,8 +370,8 @@ class VLLMScorer:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                response = self.requests.post(f"{url}/v1/chat/completions", json=payload,
-                                              timeout=self.timeout)
+                response = self.session().post(f"{url}/v1/chat/completions", json=payload,
+                                               timeout=self.timeout)
             except (self.requests.ConnectionError, self.requests.Timeout) as e:
                 # the OS's reason, without urllib3's wrapping
                 reason = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))
@@ -382,9 +387,14 @@ class VLLMScorer:
         raise ServerError(f"vLLM server {url} failed {self.max_retries + 1} attempts (timeout "
                           f"{self.timeout:g} s); last: {cause}")
 
+    def session(self):
+        """This thread's requests.Session (a Session is not shared between threads)."""
+        if not hasattr(self.sessions, "session"):
+            self.sessions.session = self.requests.Session()
+        return self.sessions.session
+
     def __call__(self, images, targets):
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            return _score_texts(list(pool.map(self.transcribe, to_pil(images))), targets)
+        return _score_texts(list(self.threads.map(self.transcribe, to_pil(images))), targets)
 
 
 def random_qwen_vl(spec: dict, device="cpu", dtype=None):
