@@ -5,7 +5,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -190,21 +189,6 @@ def test_pool_speed_reads_alike_at_each_setting_and_counts_the_workers_threads(t
                          text=True, timeout=300)
     assert bad.returncode == 1
     assert bad.stderr.strip().endswith("--settings one or more of cpu:N or openvino:N")
-
-
-def test_each_client_thread_keeps_one_connection_to_the_pool_server():
-    """The trainers' vllm client sends an image a request; each of its threads keeps its HTTP/1.1
-    connection open across images and iterations instead of opening one an image (a handler thread
-    a connection stays alive on the server while its connection is open), and reads as in process."""
-    images = np.stack([render(word, Task()) for word in ("1234", "5678", "9012", "3456")])
-    with serve(OcrPool(0)) as url:
-        scorer = make_scorer("vllm", urls=[url], model_path=MODEL_NAME, batch_size=2, timeout=30)
-        for _ in range(3):
-            scores, texts = scorer(images, ["1234", "5678", "9012", "3456"])
-        handlers = [t for t in threading.enumerate() if "process_request_thread" in t.name]
-        assert len(handlers) == 2
-    assert texts == [PaddleScorer(threads=1).read(Image.fromarray(image)) for image in images]
-    assert scores.mean() > 0.5
 
 
 def _listen_overflows():

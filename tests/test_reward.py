@@ -226,6 +226,22 @@ def test_vllm_matches_paddle(paddle):
     assert scores.dtype == np.float32 and scores.mean() >= 0.9
 
 
+def test_vllm_sends_the_exact_pixels():
+    """PNG at any compression level is lossless: the server reads the pixels the trainer rendered,
+    over requests one after another on one thread's session."""
+    received = []
+
+    def read(image):
+        received.append(np.asarray(image))
+        return ""
+
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 48, 3), dtype=np.uint8)
+    with ocr_server(read) as (url, server):
+        make_scorer("vllm", urls=[url], batch_size=1, timeout=30)(images, ["a", "b", "c"])
+        assert server.requests == 3
+    assert [image.tobytes() for image in received] == [image.tobytes() for image in images]
+
+
 def test_vllm_round_robin(paddle):
     with ocr_server(paddle.read) as (url_a, a), ocr_server(paddle.read) as (url_b, b):
         scorer = make_scorer("vllm", urls=[url_a, url_b], batch_size=2, timeout=30)

@@ -106,9 +106,6 @@ def serve(pool: OcrPool):
     trainers' --reward-urls. A request for BLIND_MODEL_NAME is answered with no text: a reward that teaches nothing."""
 
     class Handler(BaseHTTPRequestHandler):
-        # keep-alive: a trainer's thread sends all its images over one connection, not one each
-        protocol_version = "HTTP/1.1"
-
         def do_GET(self):
             self.reply({"object": "list", "data": [{"id": name, "object": "model"}
                                                    for name in (MODEL_NAME, BLIND_MODEL_NAME)]})
