@@ -2,8 +2,12 @@
 
     python benchmark/same_numbers.py .oldmain .          # the old main (git archive) vs the tree
     python benchmark/same_numbers.py ROOT_A ROOT_B --out report.json
+    python benchmark/same_numbers.py . . --flags="--device cuda --no-compile" --flags-b=--cuda-graphs \
+        --trainers crd dgpo nft            # one tree, a flag that must not change the numbers
 
-Runs README's CPU demo (the tiny model) with crd.py and with dgpo.py in each tree, then compares
+Runs README's CPU demo (the tiny model) with crd.py and with dgpo.py in each tree (--flags after it in
+both, --flags-b in the second only, whose own record in trainer_state.json is not compared;
+--trainers), then compares
 every tensor of every checkpoint file (LoRA export, adapters, optimizer state), trainer_state.json
 and summary.json (less timings, memory and paths), and every TensorBoard scalar (less perf/*) and
 image. One line per item, then `identical` (exit 0) or the differences (exit 1). Each tree has a
@@ -14,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -30,8 +35,9 @@ DEMO = ["--model", "tiny", "--reward", "brightness", "--train-data", "tests/data
 UNTIMED = re.compile(r"(_s$|per_s|peak_mem|output_dir)")  # timings, memory, paths: not the math
 
 
-def run(root, trainer, out, cache):
-    cmd = [sys.executable, f"{trainer}.py", *DEMO, "--output-dir", str(out), "--run-name", "same"]
+def run(root, trainer, out, cache, flags=()):
+    cmd = [sys.executable, f"{trainer}.py", *DEMO, "--output-dir", str(out), "--run-name", "same",
+           *flags]
     env = {**os.environ, "CRD_CACHE": cache}
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
     if done.returncode:
@@ -94,17 +100,24 @@ def main():
     parser.add_argument("root_a", type=Path)
     parser.add_argument("root_b", type=Path)
     parser.add_argument("--out", type=Path, help="the differences as JSON")
+    parser.add_argument("--trainers", nargs="+", default=["crd", "dgpo"], choices=["crd", "dgpo", "nft"])
+    parser.add_argument("--flags", default="", help="trainer flags after the demo's, in both trees")
+    parser.add_argument("--flags-b", default="", help="trainer flags after --flags, in ROOT_B only")
     cli = parser.parse_args()
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for trainer in ("crd", "dgpo"):
-            sides = (("a", cli.root_a), ("b", cli.root_b))
-            runs = [run(root.resolve(), trainer, Path(tmp, side, trainer), f"{tmp}/{side}/cache")
-                    for side, root in sides]
+        for trainer in cli.trainers:
+            sides = (("a", cli.root_a, shlex.split(cli.flags)),
+                     ("b", cli.root_b, shlex.split(cli.flags) + shlex.split(cli.flags_b)))
+            runs = [run(root.resolve(), trainer, Path(tmp, side, trainer), f"{tmp}/{side}/cache", flags)
+                    for side, root, flags in sides]
             if not all((r / "summary.json").is_file() for r in runs):
                 report[trainer] = {"run": ["failed"]}
                 continue
-            report[trainer] = compare(*runs)
+            given = {f"/args/{flag[2:].replace('-', '_').removeprefix('no_')}"
+                     for flag in shlex.split(cli.flags_b) if flag.startswith("--")}
+            report[trainer] = {item: [p for p in paths if p not in given]  # the flags B recorded
+                               for item, paths in compare(*runs).items()}
             for item, paths in report[trainer].items():
                 shown = f": {paths[:5]}" if paths else ""
                 print(f"{'DIFF' if paths else 'same'} {trainer} {item}{shown}")
