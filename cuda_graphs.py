@@ -1,11 +1,13 @@
-"""CUDA graphs for the transformer's passes without gradient (--cuda-graphs, on CUDA): the rollout's ODE
-steps, the base and old adapters' velocities and the validation replay one recorded graph each
+"""CUDA graphs for the transformer's passes without gradient (--cuda-graphs, on CUDA): the rollout's
+ODE steps, the base and old adapters' velocities and the validation replay one recorded graph each
 instead of launching a small model's ~1,300 kernels one by one from Python.
 
 For models so small that launching kernels costs more host time than the GPU spends running them
 (the OCR proxy's 15.5M parameters, many runs sharing one GPU's host): SD3.5-M's kernels are long
 enough that the launches hide behind them, and it runs compiled instead.
 """
+
+import warnings
 
 import torch
 
@@ -29,8 +31,7 @@ class GraphedPasses:
     def __init__(self, transformer):
         self.transformer = transformer
         self.eager = transformer.forward
-        self.graphs = {}  # key -> (graph, static inputs, static output)
-        self.unrecorded = 0  # calls past MOST_GRAPHS that ran eagerly
+        self.graphs = {}  # key -> (graph, static inputs, static output), or None: runs eagerly
 
     @classmethod
     def install(cls, transformer) -> "GraphedPasses":
@@ -40,23 +41,28 @@ class GraphedPasses:
 
     def __call__(self, *args, **kwargs):
         inputs = {name: kwargs.get(name) for name in self.KEYWORDS}
-        plain = not args and set(kwargs) == {*self.KEYWORDS, "return_dict"} and not kwargs["return_dict"]
+        plain = (not args and set(kwargs) == {*self.KEYWORDS, "return_dict"}
+                 and not kwargs["return_dict"])
         if (torch.is_grad_enabled() or not plain
                 or not all(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs.values())):
             return self.eager(*args, **kwargs)
         key = self.key(inputs)
-        if key in self.graphs:
-            graph, static_inputs, static_output = self.graphs[key]
-            for name, value in inputs.items():
-                static_inputs[name].copy_(value)
-            graph.replay()
-            return (static_output.clone(),)  # the next replay overwrites the static output
-        if len(self.graphs) >= MOST_GRAPHS:
-            self.unrecorded += 1
+        if key not in self.graphs and len(self.graphs) < MOST_GRAPHS:
+            output = self.eager(**kwargs)  # also the warm-up that recording needs (cuBLAS handles)
+            try:
+                self.graphs[key] = self.record(inputs)
+            except RuntimeError as error:  # e.g. a forked model's forward that waits on the GPU
+                warnings.warn(f"--cuda-graphs: a transformer pass could not be recorded, so it "
+                              f"runs eagerly: {str(error).splitlines()[0]}", stacklevel=2)
+                self.graphs[key] = None
+            return output
+        if self.graphs.get(key) is None:  # not recorded: it failed, or MOST_GRAPHS were
             return self.eager(**kwargs)
-        output = self.eager(**kwargs)  # also the warm-up that recording needs (cuBLAS handles)
-        self.graphs[key] = self.record(inputs)
-        return output
+        graph, static_inputs, static_output = self.graphs[key]
+        for name, value in inputs.items():
+            static_inputs[name].copy_(value)
+        graph.replay()
+        return (static_output.clone(),)  # the next replay overwrites the static output
 
     def key(self, inputs: dict) -> tuple:
         layers = _lora_layers(self.transformer)
@@ -74,6 +80,7 @@ class GraphedPasses:
         # caller's autocast region ends: the casts are recorded into the graph instead
         cache_off = torch.autocast("cuda", torch.get_autocast_dtype("cuda"), cache_enabled=False,
                                    enabled=torch.is_autocast_enabled("cuda"))
-        with cache_off, torch.cuda.graph(graph):  # synchronizes, records on a side stream
+        # thread_local: a scorer thread may launch its own kernels meanwhile
+        with cache_off, torch.cuda.graph(graph, capture_error_mode="thread_local"):
             static_output = self.eager(**static_inputs, return_dict=False)[0]
         return graph, static_inputs, static_output

@@ -2,11 +2,11 @@
 
     python benchmark/same_numbers.py .oldmain .          # the old main (git archive) vs the tree
     python benchmark/same_numbers.py ROOT_A ROOT_B --out report.json
-    python benchmark/same_numbers.py . . --flags="--device cuda --no-compile" --flags-b=--cuda-graphs \
-        --trainers crd dgpo nft            # one tree, a flag that must not change the numbers
+    python benchmark/same_numbers.py . . --flags="--device cuda --no-compile" \
+        --flags-b=--cuda-graphs --trainers crd dgpo nft    # one tree, a flag that keeps the numbers
 
-Runs README's CPU demo (the tiny model) with crd.py and with dgpo.py in each tree (--flags after it in
-both, --flags-b in the second only, whose own record in trainer_state.json is not compared;
+Runs README's CPU demo (the tiny model) with crd.py and with dgpo.py in each tree (--flags after
+it in both, --flags-b in the second only, whose own record in trainer_state.json is not compared;
 --trainers), then compares
 every tensor of every checkpoint file (LoRA export, adapters, optimizer state), trainer_state.json
 and summary.json (less timings, memory and paths), and every TensorBoard scalar (less perf/*) and
@@ -100,7 +100,8 @@ def main():
     parser.add_argument("root_a", type=Path)
     parser.add_argument("root_b", type=Path)
     parser.add_argument("--out", type=Path, help="the differences as JSON")
-    parser.add_argument("--trainers", nargs="+", default=["crd", "dgpo"], choices=["crd", "dgpo", "nft"])
+    parser.add_argument("--trainers", nargs="+", default=["crd", "dgpo"],
+                        choices=["crd", "dgpo", "nft"])
     parser.add_argument("--flags", default="", help="trainer flags after the demo's, in both trees")
     parser.add_argument("--flags-b", default="", help="trainer flags after --flags, in ROOT_B only")
     cli = parser.parse_args()
@@ -109,8 +110,8 @@ def main():
         for trainer in cli.trainers:
             sides = (("a", cli.root_a, shlex.split(cli.flags)),
                      ("b", cli.root_b, shlex.split(cli.flags) + shlex.split(cli.flags_b)))
-            runs = [run(root.resolve(), trainer, Path(tmp, side, trainer), f"{tmp}/{side}/cache", flags)
-                    for side, root, flags in sides]
+            runs = [run(root.resolve(), trainer, Path(tmp, side, trainer), f"{tmp}/{side}/cache",
+                        flags) for side, root, flags in sides]
             if not all((r / "summary.json").is_file() for r in runs):
                 report[trainer] = {"run": ["failed"]}
                 continue
