@@ -215,7 +215,8 @@ def check_args(args: Args) -> None:
             if variant_name(variant.split("=", 1)[0])[0] not in (None, algo):
                 continue
             given = shlex.split(args.trainer_args) + shlex.split(variant.split("=", 1)[1])
-            driver = [*group_structure(args), "--kl-cfg", "1", *(CRD_SNAPSHOTS if algo == "crd" else ())]
+            driver = [*group_structure(args), "--no-compile", "--kl-cfg", "1",
+                      *(CRD_SNAPSHOTS if algo == "crd" else ())]
             for seed in args.seeds:  # as launch() passes them: before the given arguments, which may set another
                 try:
                     trainer_args = tyro.cli(trainer.Args, args=["--seed", str(seed), *driver, *given],
