@@ -38,8 +38,7 @@ SAFE_TO_CHANGE_ON_RESUME = {
     "resume_from", "overwrite", "output_dir", "run_name", "exp_name",  # where it is (checked against the checkpoint)
     # placement, batching into forwards and kernels: the same math up to float rounding
     "device", "text_encoder_device", "reward_device", "forward_batch_size", "policy_timesteps_per_forward", "compile",
-    "cuda_graphs", "gradient_checkpointing",
-    "reward_urls", "reward_timeout", "reward_retries",  # the same scorer, reached otherwise
+    "gradient_checkpointing", "reward_urls", "reward_timeout", "reward_retries",  # the same scorer, reached otherwise
     # validation cost: it never feeds training (the change is printed: the eval curve changes protocol there)
     "eval_every", "eval_prompts", "eval_steps", "eval_judge", "dry_run",
     "rollout_engine",  # the same Euler ODE and seeded noise, through vLLM-Omni or diffusers
@@ -51,8 +50,7 @@ SAFE_TO_CHANGE_ON_RESUME = {
 ADDED_SETTINGS = {"reward_aggregation": "sum", "pickscore_model": PICKSCORE_MODEL,
                   "pickscore_processor": PICKSCORE_PROCESSOR, "aesthetic_model": AESTHETIC_CLIP,
                   "aesthetic_head": "", "rollout_engine": "diffusers",
-                  "track": False, "wandb_project_name": "crd", "wandb_entity": "",
-                  "cuda_graphs": False}
+                  "track": False, "wandb_project_name": "crd", "wandb_entity": ""}
 # The models of a reward or judge: they define the run where the reward has that component, and
 # may change otherwise (a judge's, which never feeds training)
 JUDGE_MODELS = {"pickscore_model": "pickscore", "pickscore_processor": "pickscore",

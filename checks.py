@@ -103,8 +103,6 @@ def check_shared_args(args, check_algorithm_args, train_timestep_grid):
     if not 1 <= args.num_train_timesteps <= trainable:
         fail(f"--num-train-timesteps {args.num_train_timesteps} must lie in [1, {trainable}]: the "
              f"trained steps of the {args.num_steps}-step rollout grid")
-    if args.machine.cuda_graphs and args.machine.compile:
-        fail("--cuda-graphs records the eager passes: give --no-compile with it")
     check_devices(args, "the trainers run")
 
 

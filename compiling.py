@@ -4,7 +4,6 @@ graphs while the models load and the first validation runs eagerly."""
 
 import torch
 
-from cuda_graphs import GraphedPasses
 from iteration import policy_chunks
 from precompile import Precompile
 from rollout import CompileCache, compile_blocks, compile_decoder, images_per_call
@@ -35,18 +34,14 @@ def start_precompile(args, compile_cache, device, world_size):
 class Compiler:
     """torch.compile of the transformer blocks and the VAE decoder (CUDA, --compile), with its cache
     file. On a cold start, worker processes compile the graphs while the models load, and compiled
-    code runs eagerly until they are done; the graphs are then found in the on-disk caches. With
-    --cuda-graphs instead, the passes without gradient replay CUDA graphs (cuda_graphs.py)."""
+    code runs eagerly until they are done; the graphs are then found in the on-disk caches."""
 
     def __init__(self, args, device, world_size):
         compiled = args.machine.compile and device.type == "cuda"
-        self.cuda_graphs = args.machine.cuda_graphs and device.type == "cuda"
         self.cache = CompileCache(args.model, device, compiled)
         self.workers = start_precompile(args, self.cache, device, world_size)
 
     def compile(self, pipe):
-        if self.cuda_graphs:
-            GraphedPasses.install(pipe.transformer)
         if self.cache.enabled:
             compile_blocks(pipe.transformer)
             compile_decoder(pipe.vae)

@@ -120,9 +120,6 @@ class MachineArgs:
     """what runs the rollout ODE: diffusers, or vLLM-Omni on one GPU (requirements-vllm.txt)"""
     compile: bool = True
     """torch.compile the transformer blocks and the VAE decoder on CUDA"""
-    cuda_graphs: bool = False
-    """replay the transformer's passes without gradient from CUDA graphs (with --no-compile, on
-    CUDA): for models so small that launching their kernels is the bound"""
     gradient_checkpointing: bool = False
     """recompute each block's activations in the policy backward (less memory, slower)"""
     policy_timesteps_per_forward: int = 3

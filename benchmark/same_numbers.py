@@ -2,8 +2,9 @@
 
     python benchmark/same_numbers.py .oldmain .          # the old main (git archive) vs the tree
     python benchmark/same_numbers.py ROOT_A ROOT_B --out report.json
-    python benchmark/same_numbers.py . . --flags="--device cuda --no-compile" \
-        --flags-b=--cuda-graphs --trainers crd dgpo nft    # one tree, a flag that keeps the numbers
+    python benchmark/same_numbers.py . . --flags="--device cuda --no-compile" --trainers crd nft
+                                         # one tree twice: is a GPU run reproducible?
+    python benchmark/same_numbers.py . . --flags-b=--no-compile   # a flag that must keep the numbers
 
 Runs README's CPU demo (the tiny model) with crd.py and with dgpo.py in each tree (--flags after
 it in both, --flags-b in the second only, whose own record in trainer_state.json is not compared;

@@ -577,7 +577,6 @@ def test_a_nonfinite_schedule_or_a_weight_float32_cannot_hold_stops_the_trainer(
     (dgpo, dict(scoring=ScoringArgs(reward="vllm", reward_urls=[])), "--reward-urls: the vllm reward or judge needs at least one server URL"),
     (dgpo, dict(device="meta"), "--device meta: the trainers run on cpu or cuda devices"),
     (crd, dict(crd_beta=0.0), "--crd-beta 0: must be a finite number > 0"),
-    (dgpo, dict(cuda_graphs=True), "--cuda-graphs records the eager passes: give --no-compile with it"),
     (crd, dict(kl_cfg=float("nan")), "--kl-cfg nan: must be a finite number >= 1"),
     (crd, dict(kl_floor=0.5), "--kl-floor 0.5: must not exceed --kl-beta 0.1"),
     (dgpo, dict(beta_dpo=-1.0), "--beta-dpo -1: must be a finite number > 0"),

@@ -15,7 +15,6 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 
-import cuda_graphs
 import lora_adapters
 import precompile
 import rollout
@@ -278,33 +277,6 @@ def test_fresh_adapters_equal_base(lora_pipe, tiny_pipe):
     torch.testing.assert_close(velocity(lora_pipe, None), base, atol=0, rtol=0)
     for name in ["old", "sampling"]:
         torch.testing.assert_close(velocity(lora_pipe, name), base, atol=0, rtol=0)
-
-
-def test_graphed_passes_key_each_adapter_by_its_tensors_and_run_eagerly_off_cuda(lora_pipe):
-    """A CUDA graph reads the tensors it was recorded with: each adapter and the base model get a
-    key of their own, an in-place update keeps an adapter's, another batch gets another; on the CPU
-    (and with gradient) the transformer runs eagerly, to the same numbers, and records nothing."""
-    transformer = lora_pipe.transformer
-    perturb(transformer, "policy")
-    names = ("policy", "old", "sampling", None)
-    eager = {name: velocity(lora_pipe, name) for name in names}
-    graphed = cuda_graphs.GraphedPasses.install(transformer)
-    embeds, pooled = embed(lora_pipe)
-    inputs = {"hidden_states": torch.zeros(2, 16, H // 8, W // 8), "timestep": torch.ones(2),
-              "encoder_hidden_states": embeds, "pooled_projections": pooled}
-    keys = {}
-    for name in names:
-        with lora_adapters.use_adapter(transformer, name):
-            keys[name] = graphed.key(inputs)
-    assert len(set(keys.values())) == len(names)
-    with torch.no_grad():
-        for name in names:
-            torch.testing.assert_close(velocity(lora_pipe, name), eager[name], atol=0, rtol=0)
-    lora_adapters.ema_update_(transformer, "old", "policy", 0.5)
-    with lora_adapters.use_adapter(transformer, "old"):
-        assert graphed.key(inputs) == keys["old"]
-        assert graphed.key({**inputs, "hidden_states": torch.zeros(3, 16, H // 8, W // 8)}) != keys["old"]
-    assert not graphed.graphs
 
 
 def test_use_adapter_switches_outputs_not_requires_grad(lora_pipe):

@@ -4,8 +4,7 @@ base: run-iterations a second, each run's steady iteration, and what the runs us
 (run_benchmark's `usage`). The `-openvino` settings run the same with the PP-OCR pool on OpenVINO
 (run_benchmark's --ocr-engine openvino) instead of ONNX Runtime, `-blocking` with the trainers'
 CUDA blocking synchronisation (run_benchmark's --blocking-sync) and `-mps` with the trainers'
-kernels sharing the GPU through NVIDIA's MPS daemon (run_benchmark's --mps); `graphs-` runs the
-trainers' passes without gradient from CUDA graphs (their --cuda-graphs).
+kernels sharing the GPU through NVIDIA's MPS daemon (run_benchmark's --mps).
 
     python benchmark/ocr_proxy/compile_speed.py --out compile_speed.json --bench.out /tmp/cs
 
@@ -56,9 +55,7 @@ SETTINGS = {"eager": Setting(), "compiled": Setting("--compile"),
             "compiled-openvino": Setting("--compile", "openvino"),
             "eager-openvino-blocking": Setting(ocr_engine="openvino", blocking_sync=True),
             "eager-openvino-blocking-mps": Setting(ocr_engine="openvino", blocking_sync=True,
-                                                   mps=True),
-            "graphs-openvino-blocking-mps": Setting("--cuda-graphs", "openvino", blocking_sync=True,
-                                                    mps=True)}
+                                                   mps=True)}
 
 
 @dataclass
@@ -96,8 +93,7 @@ def steady(run_dir: Path, skip: int) -> dict:
 
 def run_setting(args: Args, name: str) -> dict:
     setting = SETTINGS[name]
-    compiled = "--compile" in setting.trainer_flag.split()
-    limit_s = args.bench.time_limit_s + (args.compile_s if compiled else 0)
+    limit_s = args.bench.time_limit_s + (args.compile_s if setting.trainer_flag else 0)
     bench = replace(args.bench, out=str(Path(args.bench.out) / name), time_limit_s=limit_s,
                     trainer_args=f"{setting.trainer_flag} {args.bench.trainer_args}".strip(),
                     ocr_engine=setting.ocr_engine, blocking_sync=setting.blocking_sync,
