@@ -4,7 +4,7 @@
     python benchmark/same_numbers.py ROOT_A ROOT_B --out report.json
     python benchmark/same_numbers.py . . --flags="--device cuda --no-compile" --trainers crd nft
                                          # one tree twice: is a GPU run reproducible?
-    python benchmark/same_numbers.py . . --flags-b=--no-compile   # a flag that must keep the numbers
+    python benchmark/same_numbers.py . . --flags-b=--no-compile    # a flag that keeps the numbers
 
 Runs README's CPU demo (the tiny model) with crd.py and with dgpo.py in each tree (--flags after
 it in both, --flags-b in the second only, whose own record in trainer_state.json is not compared;
@@ -106,19 +106,19 @@ def main():
     parser.add_argument("--flags", default="", help="trainer flags after the demo's, in both trees")
     parser.add_argument("--flags-b", default="", help="trainer flags after --flags, in ROOT_B only")
     cli = parser.parse_args()
+    flags, flags_b = shlex.split(cli.flags), shlex.split(cli.flags_b)
+    sides = (("a", cli.root_a, flags), ("b", cli.root_b, flags + flags_b))
+    given = {f"/args/{flag[2:].replace('-', '_').removeprefix('no_')}"  # B's record of its flags
+             for flag in flags_b if flag.startswith("--")}
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         for trainer in cli.trainers:
-            sides = (("a", cli.root_a, shlex.split(cli.flags)),
-                     ("b", cli.root_b, shlex.split(cli.flags) + shlex.split(cli.flags_b)))
             runs = [run(root.resolve(), trainer, Path(tmp, side, trainer), f"{tmp}/{side}/cache",
-                        flags) for side, root, flags in sides]
+                        side_flags) for side, root, side_flags in sides]
             if not all((r / "summary.json").is_file() for r in runs):
                 report[trainer] = {"run": ["failed"]}
                 continue
-            given = {f"/args/{flag[2:].replace('-', '_').removeprefix('no_')}"
-                     for flag in shlex.split(cli.flags_b) if flag.startswith("--")}
-            report[trainer] = {item: [p for p in paths if p not in given]  # the flags B recorded
+            report[trainer] = {item: [p for p in paths if p not in given]
                                for item, paths in compare(*runs).items()}
             for item, paths in report[trainer].items():
                 shown = f": {paths[:5]}" if paths else ""
