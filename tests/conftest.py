@@ -7,8 +7,8 @@ import torch
 
 import sd3
 
-# The suite runs on two workers (pytest.ini: -n 2), as many as CI's cores: each worker, and every trainer it starts,
-# gets one torch thread, because two processes of two spinning OpenMP threads each on two cores slow each other
+# The suite runs on three workers (pytest.ini: -n 3) on CI's two cores: each worker, and every trainer it starts,
+# gets one torch thread, because processes of two spinning OpenMP threads each on two cores slow each other
 # several-fold.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
@@ -25,11 +25,11 @@ def shares_a_module_fixture(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items):
-    """Schedule the tests for pytest.ini's two workers (--dist loadgroup, in this order).
+    """Schedule the tests for pytest.ini's workers (--dist loadgroup, in this order).
 
     A module fixture runs once on every worker that runs a test using it: the tests that share one
     of their module's (a trainer run, say) are one group, run on one worker. The groups and the
-    tests marked long start first, so that short tests end the run and both workers end together.
+    tests marked long start first, so that short tests end the run and the workers end together.
     """
     for item in items:
         if shares_a_module_fixture(item):
