@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import crd
-from dgpo import (Args, check_args, dgpo_loss, ema_decay, snapshots_after_iteration, snapshots_after_step,
-                  train_timestep_grid)
+from dgpo import Args, check_args, dgpo_loss, ema_decay, snapshots_after_step, train_timestep_grid
 import lora_adapters
 import sd3
 import zygote

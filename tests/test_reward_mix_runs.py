@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import pytest
 import tyro
