@@ -648,3 +648,31 @@ def test_results_md_shows_the_ten_seed_defaults_beside_the_tuned_runs(tmp_path):
             before = dict(map(tuple, earlier[algo]["runs"][f"{algo}_seed{seed}"]["eval"]))
             now = dict(map(tuple, runs[f"{algo}_default_seed{seed}"]["eval"]))
             assert {i: before[i] for i in now} == now and set(now) >= {0, 75, 150, 225}
+
+
+def test_results_md_shows_the_h100_ten_seed_defaults_and_their_seeds_0_to_4_are_the_earlier_runs():
+    """compare.py's table for the H100 base's 10 seeds is RESULTS.md's, row for row; seeds 0-4 are
+    the ONNX Runtime half's runs, final scores and all, joined to seeds 5-9 (the OpenVINO pool)
+    through the OpenVINO half's runs, which scored every word as they did; every run went to 225."""
+    results = FIVE_SEEDS.parent
+    stored = json.loads((results / "ocr_proxy_defaults_10seeds_mps_h100.json").read_text())
+    printed = run_compare(results / "ocr_proxy_defaults_10seeds_mps_h100.json").stdout
+    validation = printed.split("### validation at iteration 225")[1].split("###")[0]
+    rows = [line for line in validation.splitlines() if line.startswith("| ")]
+    assert len(ROW.findall(validation)) == 3 and len(rows) == 8
+    shown = (COMPARE.parents[2] / "benchmark" / "RESULTS.md").read_text()
+    assert [row for row in rows if row not in shown] == []
+    merged = stored["benchmark"]
+    assert sorted(merged["runs"]) == sorted(f"{algo}_seed{seed}" for algo in ("crd", "dgpo", "nft")
+                                            for seed in range(10))
+    assert {name: run["iterations"] for name, run in merged["runs"].items()} == dict.fromkeys(
+        merged["runs"], 225)
+    earlier = json.loads((results / "ocr_proxy_defaults_5seeds_mps_h100.json").read_text())["benchmark"]
+    for name, run in earlier["runs"].items():
+        assert merged["runs"][name]["per_prompt"] == run["per_prompt"]
+        assert merged["final_scores"][name] == earlier["final_scores"][name]
+    bridged = {entry["run"] for entry in merged["reproduced"]}
+    assert bridged == set(earlier["runs"])
+    assert [part["ocr_engine"] for part in merged["parts"]] == ["onnxruntime", "openvino", "openvino"]
+    assert merged["parts"][2]["seeds"] == [5, 6, 7, 8, 9]
+    assert stored["call"]["wall_s"] < 600 and stored["throughput"]["run_iterations"] == 15 * 225
