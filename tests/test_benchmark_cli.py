@@ -903,9 +903,10 @@ def test_ocr_proxy_docs_give_mps_and_the_half_of_the_target_from_their_files():
     phases, call = one_call["call"]["phases_s"], one_call["call"]
     (part,) = [p for p in one_call["benchmark"]["parts"] if p["seeds"] == [5, 6, 7, 8, 9]]
     assert part["phases_s"] == phases and part["ocr_engine"] == "openvino"
-    means = [sum(s for step, s in one_call["benchmark"]["runs"][f"{algo}_seed{seed}"]["iteration_s"]
-                 if step > 1) / 224 for algo in ("crd", "dgpo", "nft") for seed in part["seeds"]]
-    mean = sum(means) / 15
+    runs = one_call["benchmark"]["runs"]
+    means = [np.mean([s for step, s in runs[f"{algo}_seed{seed}"]["iteration_s"] if step > 1])
+             for algo in ("crd", "dgpo", "nft") for seed in part["seeds"]]  # each start's first left out
+    mean = np.mean(means)
     assert call["wall_s"] < 600 and phases["rl"] + phases["final_scores"] < call["wall_s"]
     assert (f"in a call of {call['wall_s']:.1f} s on a fresh H100 with the base carried in (5136a7e, "
             "2026-12-06, `ocr_proxy_defaults_10seeds_mps_h100.json`): "
@@ -920,6 +921,7 @@ def test_ocr_proxy_docs_give_mps_and_the_half_of_the_target_from_their_files():
             f"That is {3375 / phases['rl']:.2f} run-iterations a second over the RL and "
             f"{15 / mean:.2f} in the iterations (15 runs at {min(means):.3f}–{max(means):.3f} s, "
             f"mean {mean:.3f} s)") in shown
+
 
 def test_the_pretrained_base_repeats_on_one_gpu_kind_and_not_across_two():
     """The H100 file's hashes (two runs alike) against the H200 file's: only the autoencoder's
