@@ -676,3 +676,90 @@ def test_results_md_shows_the_h100_ten_seed_defaults_and_their_seeds_0_to_4_are_
     assert [part["ocr_engine"] for part in merged["parts"]] == ["onnxruntime", "openvino", "openvino"]
     assert merged["parts"][2]["seeds"] == [5, 6, 7, 8, 9]
     assert stored["call"]["wall_s"] < 600 and stored["throughput"]["run_iterations"] == 15 * 225
+
+
+def test_results_md_shows_the_h200_trained_ten_seeds_and_a_seed_on_two_gpu_kinds(tmp_path):
+    """The two-call file's table is RESULTS.md's, row for row; its 30 runs reached 225 with their
+    final scores in two calls under 10 minutes each; DGPO - DiffusionNFT in the three 10-seed sets
+    and the same seeds' H100 and H200 runs read as RESULTS.md says."""
+    results = FIVE_SEEDS.parent
+    path = results / "ocr_proxy_defaults_10seeds_two_calls_h200.json"
+    stored = json.loads(path.read_text())
+    printed = run_compare(path).stdout
+    validation = printed.split("### validation at iteration 225")[1].split("###")[0]
+    rows = [line for line in validation.splitlines() if line.startswith("| ")]
+    assert len(ROW.findall(validation)) == 3 and len(rows) == 8
+    text = (COMPARE.parents[2] / "benchmark" / "RESULTS.md").read_text()
+    assert [row for row in rows if row not in text] == []
+    shown = re.sub(r"\s+", " ", text)
+    merged = stored["benchmark"]
+    seeds = [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+    assert sorted(merged["runs"]) == sorted(f"{algo}_seed{seed}" for algo in ("crd", "dgpo", "nft")
+                                            for seed in seeds)
+    assert all(run["iterations"] == 225 for run in merged["runs"].values())
+    assert set(merged["runs"]) <= set(merged["final_scores"])
+    calls = stored["calls"]
+    assert [call["seeds"] for call in calls] == [seeds[:5], seeds[5:]]
+    assert all(call["wall_s"] < 600 for call in calls)
+    means = [np.mean([merged["runs"][f"{algo}_seed{seed}"]["mean_iteration_s"]
+                      for algo in ("crd", "dgpo", "nft") for seed in call["seeds"]])
+             for call in calls]
+    assert [call["throughput"]["mean_iteration_s_mean_over_runs"] for call in calls] == [
+        round(mean, 3) for mean in means]
+    assert (f"calls of {calls[0]['wall_s']} s and {calls[1]['wall_s']} s, one after the other on "
+            f"one H200") in shown
+    assert f"second call's iterations {100 * (means[1] / means[0] - 1):.0f}% slower" in shown
+    docs = re.sub(r"\s+", " ", (COMPARE.parents[2] / "docs" / "ocr-proxy.md").read_text())
+    phases = [call["phases_s"] for call in calls]
+    rl, scoring = [p["rl"] for p in phases], [p["final_scores"] for p in phases]
+    assert (f"ran in one call: {calls[0]['wall_s']} s and {calls[1]['wall_s']} s, every run to "
+            f"iteration 225 with its final scores ({rl[0]:.1f} and {rl[1]:.1f} s of RL, "
+            f"{scoring[0]:.1f} and {scoring[1]:.1f} s of final scores). That is "
+            f"{3375 / rl[0]:.2f} and {3375 / rl[1]:.2f} run-iterations a second over the RL, "
+            f"{15 / means[0]:.2f} and {15 / means[1]:.2f} in the iterations") in docs
+    for row in rows[-3:-1]:  # CRD's two differences, as the docs give them
+        diff, low, high = ROW.match(row).group("diff", "low", "high")
+        assert f"{diff} [{low}, {high}]".replace("-", "−") in docs
+    readme = re.sub(r"\s+", " ", (COMPARE.parents[2] / "README.md").read_text())
+    gaps = []
+    for name in ("ocr_proxy_defaults_10seeds_h200.json", "ocr_proxy_defaults_10seeds_mps_h100.json",
+                 path.name):
+        run_compare(results / name, "--json", tmp_path / name)
+        table = json.loads((tmp_path / name).read_text())["validation at iteration 225"]
+        (gap,) = [d for d in table["differences"] if d["a"].startswith("dgpo")
+                  and d["b"].startswith("nft")]
+        gaps.append(gap)
+        if name != "ocr_proxy_defaults_10seeds_h200.json":  # the second base's two sets
+            for d in table["differences"]:
+                assert (f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]".replace("-", "−")
+                        in readme), (name, d["a"], d["b"])
+    assert [gap["diff"] < 0 for gap in gaps] == [True] * 3
+    assert [gap["high"] < 0 for gap in gaps] == [False, False, True]
+    assert (f"DGPO trails DiffusionNFT by {-gaps[0]['diff']:.3f}, {-gaps[1]['diff']:.3f} and "
+            f"{-gaps[2]['diff']:.3f} in the three") in shown
+    h100 = json.loads((results / "ocr_proxy_defaults_10seeds_mps_h100.json").read_text())
+    h100_runs = h100["benchmark"]["runs"]
+    differing, shifts, spread, seed_sd, above = [], {}, {}, {}, {}
+    for algo in ("crd", "dgpo", "nft"):
+        pairs = []
+        for seed in range(5):
+            a = h100_runs[f"{algo}_seed{seed}"]["per_prompt"]
+            b = merged["runs"][f"{algo}_seed{seed}"]["per_prompt"]
+            assert a["0"] == b["0"] and a["225"] != b["225"]
+            differing.append(sum(x != y for x, y in zip(a["225"], b["225"])))
+            pairs.append(np.mean(b["225"]) - np.mean(a["225"]))
+        shifts[algo], spread[algo], above[algo] = np.mean(pairs), np.std(pairs, ddof=1), pairs
+        seed_sd[algo] = np.std([np.mean(h100_runs[f"{algo}_seed{seed}"]["per_prompt"]["225"])
+                                for seed in range(10)], ddof=1)
+    assert f"at 225 from {min(differing)} to {max(differing)} of the 128 words differed" in shown
+    assert (f"CRD {shifts['crd']:+.3f}, DGPO {shifts['dgpo']:+.3f}, DiffusionNFT "
+            f"{shifts['nft']:+.3f} (CRD's and DiffusionNFT's above 0 on all five)".replace(
+                "-", "−")) in shown
+    assert min(above["crd"] + above["nft"]) > 0
+    assert max(spread.values()) < min(seed_sd.values())
+    assert (f"(SD {min(spread.values()):.3f}–{max(spread.values()):.3f}) than seeds do "
+            f"(SD {min(seed_sd.values()):.3f}–{max(seed_sd.values()):.3f}") in shown
+    assert stored["same_seeds_on_an_h100"]["h200_minus_h100_at_225"] == {
+        algo: [round(float(np.mean(merged["runs"][f"{algo}_seed{s}"]["per_prompt"]["225"])
+                           - np.mean(h100_runs[f"{algo}_seed{s}"]["per_prompt"]["225"])), 4)
+               for s in range(5)] for algo in ("crd", "dgpo", "nft")}
