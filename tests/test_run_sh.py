@@ -157,7 +157,7 @@ def test_the_served_recipe_s_fault_phase_kills_the_server_and_the_run_goes_on(tm
            "OUTPUT_DIR": str(tmp_path / "runs"), "REWARD_PORT": str(free_port()),
            "REWARD_ON_ACTOR_GPU": "1", "RUN_NAME": "killed", "TRAIN_DATA": str(DATA / "train.txt"),
            "EVAL_DATA": str(DATA / "test.txt"), "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64",
-           "TOTAL_TRAINING_STEPS": "4", "EVAL_PROMPTS": "3"}
+           "TOTAL_TRAINING_STEPS": "8", "EVAL_PROMPTS": "3"}
     args = ["--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1", "--eval-every", "0",
             "--save-every", "1", "--reward-retries", "1"]
     killed = served_recipe.run_sh("killed", env, args, kill_server_at=1)
@@ -169,7 +169,7 @@ def test_the_served_recipe_s_fault_phase_kills_the_server_and_the_run_goes_on(tm
     assert f"global_step_{killed['summary']['iterations']}" in killed["checkpoints"]
     resumed = served_recipe.run_sh("resumed", env, args)
     assert resumed["exit_status"] == 0, resumed["stderr_tail"]
-    assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 4
+    assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 8
     assert resumed["server_start_s"] is not None
 
 
@@ -192,7 +192,7 @@ def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resu
     run_env = {**env, "RUN_NAME": "killed", "REWARD_MODEL": "org/reward-model",
                "TRAIN_DATA": str(DATA / "train.txt"),
                "EVAL_DATA": str(DATA / "test.txt"), "GROUP_SIZE": "2", "IMAGE_RESOLUTION": "64",
-               "TOTAL_TRAINING_STEPS": "4", "EVAL_PROMPTS": "3"}
+               "TOTAL_TRAINING_STEPS": "8", "EVAL_PROMPTS": "3"}
     run_args = ["--model", "tiny", "--device", "cpu", "--prompts-per-rank", "1", "--eval-every",
                 "0", "--save-every", "2", "--reward-retries", "1"]
     port = free_port()
@@ -220,8 +220,8 @@ def test_the_served_recipe_s_urls_phase_loading_wrong_name_scoring_kill_and_resu
     assert stopped.startswith(f"crd.py: error: the reward failed: vLLM server {url}")
     assert "global_step_2" in killed["checkpoints"] and not killed["summary"]["completed"]
     assert resumed["exit_status"] == 0, resumed["stderr_tail"]
-    assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 4
-    left = 4 - killed["summary"]["iterations"]  # each scores its 2 images on the new server
+    assert resumed["summary"]["completed"] and resumed["summary"]["iterations"] == 8
+    left = 8 - killed["summary"]["iterations"]  # each scores its 2 images on the new server
     assert resumed["server"]["chat_completions"] == 2 * left and resumed["server"]["failed"] == 0
     assert len(result["server_start_s"]) == 2 and not port_open(port)  # taken down at the end
 
